@@ -1,0 +1,1 @@
+"""The syncer shard: fragment plan, ownership, quorum, merge, outer optimizer."""

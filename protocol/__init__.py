@@ -1,0 +1,1 @@
+"""Wire-level building blocks: identity, signed envelopes, tensor codecs, transport, DHT."""

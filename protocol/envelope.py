@@ -1,0 +1,342 @@
+"""Signed envelopes: the one wire format of every state-changing message (DESIGN §4).
+
+    frame = u32 big-endian header_len | header (canonical msgpack map) | signature (64 bytes) | payload
+
+The signature is Ed25519 over `DOMAIN + header`; the header names the payload's length and SHA-256, so the
+payload is checked while it streams in and is never trusted before its last byte matched. Anything signed may
+be relayed by any peer: the signature, not the sender's address, says where a message came from.
+
+This module never acts on a message before `EnvelopeVerifier` has passed it, and never uses pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import canonical
+from .errors import BadSignature, Expired, Malformed, NotMember, ProtocolError, Replayed, TooLarge, WrongRun
+from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_of, verify
+
+PROTOCOL_VERSION = 1
+DOMAIN = b"diloco-node/v1/envelope\0"
+NONCE_BYTES = 16
+RUN_ID_BYTES = 32
+DIGEST_BYTES = 32
+MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_MAX_PAYLOAD = 1 << 20
+_PREFIX = struct.Struct(">I")
+
+# Per-kind payload limits. Layers register their kinds at import time; unknown kinds get DEFAULT_MAX_PAYLOAD.
+_PAYLOAD_LIMITS: dict[str, int] = {}
+
+
+def register_kind(kind: str, max_payload: int) -> None:
+    """Declare a message kind and the largest payload it may carry."""
+    _PAYLOAD_LIMITS[kind] = max_payload
+
+
+def payload_limit(kind: str) -> int:
+    return _PAYLOAD_LIMITS.get(kind, DEFAULT_MAX_PAYLOAD)
+
+
+def max_frame_size() -> int:
+    """The largest frame any registered kind allows: checked against Content-Length before reading."""
+    biggest = max([DEFAULT_MAX_PAYLOAD, *_PAYLOAD_LIMITS.values()])
+    return _PREFIX.size + MAX_HEADER_BYTES + SIGNATURE_BYTES + biggest
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A verified (or freshly sealed) message. `header` and `signature` are the exact signed bytes."""
+
+    kind: str
+    run_id: bytes
+    sender: bytes
+    nonce: bytes
+    timestamp_ms: int
+    fields: dict[str, Any]
+    payload: bytes | bytearray | memoryview
+    header: bytes = field(repr=False)
+    signature: bytes = field(repr=False)
+
+    @property
+    def sender_id(self) -> str:
+        return peer_id_of(self.sender)
+
+    def prefix(self) -> bytes:
+        """Everything before the payload; send `prefix()` then `payload` to relay the message unchanged."""
+        return _PREFIX.pack(len(self.header)) + self.header + self.signature
+
+    def to_bytes(self) -> bytes:
+        return self.prefix() + bytes(self.payload)
+
+    def frame_size(self) -> int:
+        return _PREFIX.size + len(self.header) + SIGNATURE_BYTES + len(self.payload)
+
+
+def seal(
+    identity: Identity,
+    kind: str,
+    run_id: bytes,
+    fields: dict[str, Any] | None = None,
+    payload: bytes | bytearray | memoryview = b"",
+    *,
+    now_ms: int | None = None,
+) -> Envelope:
+    """Sign a new message. The payload is hashed, not copied."""
+    if len(run_id) != RUN_ID_BYTES:
+        raise ValueError(f"run_id must be {RUN_ID_BYTES} bytes")
+    if len(payload) > payload_limit(kind):
+        raise TooLarge(f"{kind} payload of {len(payload)} bytes exceeds the limit of {payload_limit(kind)}")
+    header_fields = {
+        "v": PROTOCOL_VERSION,
+        "kind": kind,
+        "run_id": run_id,
+        "sender": identity.public_key,
+        "nonce": os.urandom(NONCE_BYTES),
+        "timestamp_ms": int(time.time() * 1000) if now_ms is None else now_ms,
+        "fields": fields or {},
+        "payload_len": len(payload),
+        "payload_digest": hashlib.sha256(payload).digest(),
+    }
+    header = canonical.packb(header_fields)
+    if len(header) > MAX_HEADER_BYTES:
+        raise TooLarge(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    return Envelope(
+        kind=kind,
+        run_id=run_id,
+        sender=identity.public_key,
+        nonce=header_fields["nonce"],
+        timestamp_ms=header_fields["timestamp_ms"],
+        fields=header_fields["fields"],
+        payload=payload,
+        header=header,
+        signature=identity.sign(DOMAIN + header),
+    )
+
+
+_HEADER_TYPES: dict[str, type | tuple[type, ...]] = {
+    "v": int,
+    "kind": str,
+    "run_id": bytes,
+    "sender": bytes,
+    "nonce": bytes,
+    "timestamp_ms": int,
+    "fields": dict,
+    "payload_len": int,
+    "payload_digest": bytes,
+}
+_FIXED_LEN = {"run_id": RUN_ID_BYTES, "sender": PUBLIC_KEY_BYTES, "nonce": NONCE_BYTES, "payload_digest": DIGEST_BYTES}
+
+
+def parse_header(header: bytes) -> dict[str, Any]:
+    """Decode and type-check a header; every field present with the right type and length, no others."""
+    h = canonical.unpackb(header, max_len=MAX_HEADER_BYTES)
+    if not isinstance(h, dict):
+        raise Malformed("envelope header is not a map")
+    if set(h) != set(_HEADER_TYPES):
+        missing, extra = set(_HEADER_TYPES) - set(h), set(h) - set(_HEADER_TYPES)
+        raise Malformed(f"envelope header fields wrong (missing {sorted(missing)}, unexpected {sorted(extra)})")
+    for name, typ in _HEADER_TYPES.items():
+        if not isinstance(h[name], typ) or isinstance(h[name], bool):
+            raise Malformed(f"envelope field {name!r} must be {getattr(typ, '__name__', typ)}")
+    for name, n in _FIXED_LEN.items():
+        if len(h[name]) != n:
+            raise Malformed(f"envelope field {name!r} must be {n} bytes, got {len(h[name])}")
+    if h["v"] != PROTOCOL_VERSION:
+        raise Malformed(f"protocol version {h['v']} not supported (this peer speaks {PROTOCOL_VERSION})")
+    if h["payload_len"] < 0:
+        raise Malformed("negative payload_len")
+    return h
+
+
+class ReplayCache:
+    """Remembers (sender, nonce) pairs until their timestamp leaves the skew window.
+
+    A pair is *reserved* when its header verifies and *committed* when its payload does; a failed transfer
+    releases it, so the sender can retry the very same signed bytes.
+    """
+
+    def __init__(self, max_entries: int = 1_000_000) -> None:
+        self._seen: dict[bytes, float] = {}
+        self._max = max_entries
+
+    def reserve(self, key: bytes, expires_at: float, now: float) -> None:
+        if key in self._seen and self._seen[key] >= now:
+            raise Replayed("message already received (same sender and nonce)")
+        if len(self._seen) >= self._max:
+            self._purge(now)
+            if len(self._seen) >= self._max:
+                raise Replayed("replay cache full; refusing new messages until old ones expire")
+        self._seen[key] = expires_at
+
+    def release(self, key: bytes) -> None:
+        self._seen.pop(key, None)
+
+    def _purge(self, now: float) -> None:
+        self._seen = {k: t for k, t in self._seen.items() if t >= now}
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+class EnvelopeVerifier:
+    """Checks, in order: shape, size, run, time, signature, membership, replay; then the payload digest.
+
+    `is_member(pubkey)` decides membership (None admits every key: an `open` run).
+    """
+
+    def __init__(
+        self,
+        run_id: bytes,
+        *,
+        is_member: Callable[[bytes], bool] | None = None,
+        max_skew_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+        replay: ReplayCache | None = None,
+        kinds: Iterable[str] | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.is_member = is_member
+        self.max_skew_s = max_skew_s
+        self.clock = clock
+        self.replay = replay or ReplayCache()
+        self.kinds = frozenset(kinds) if kinds is not None else None
+
+    def check_header(self, header: bytes, signature: bytes) -> dict[str, Any]:
+        """Verify everything but the payload; reserves the nonce (release it if the payload fails)."""
+        h = parse_header(header)
+        kind = h["kind"]
+        if self.kinds is not None and kind not in self.kinds:
+            raise Malformed(f"message kind {kind!r} is not accepted here")
+        if h["payload_len"] > payload_limit(kind):
+            raise TooLarge(f"{kind} payload of {h['payload_len']} bytes exceeds the limit of {payload_limit(kind)}")
+        if h["run_id"] != self.run_id:
+            raise WrongRun(
+                f"message is for run {h['run_id'].hex()[:16]}…, this peer is in run {self.run_id.hex()[:16]}…"
+            )
+        now = self.clock()
+        skew = h["timestamp_ms"] / 1000 - now
+        if abs(skew) > self.max_skew_s:
+            raise Expired(
+                f"message timestamp is {skew:+.0f}s from this peer's clock (limit ±{self.max_skew_s:.0f}s); "
+                "check the clocks (NTP)"
+            )
+        verify(h["sender"], signature, DOMAIN + header)
+        if self.is_member is not None and not self.is_member(h["sender"]):
+            raise NotMember(f"peer {peer_id_of(h['sender'])} is not a member of this run")
+        self.replay.reserve(h["sender"] + h["nonce"], h["timestamp_ms"] / 1000 + self.max_skew_s, now)
+        return h
+
+    def release(self, h: dict[str, Any]) -> None:
+        self.replay.release(h["sender"] + h["nonce"])
+
+    def open(self, frame: bytes | bytearray | memoryview) -> Envelope:
+        """Verify a whole frame held in memory."""
+        mv = memoryview(frame)
+        header, signature, rest = _split_prefix(mv)
+        h = self.check_header(header, signature)
+        try:
+            if len(rest) != h["payload_len"]:
+                raise Malformed(f"payload is {len(rest)} bytes, header says {h['payload_len']}")
+            if hashlib.sha256(rest).digest() != h["payload_digest"]:
+                raise BadSignature("payload does not match its signed digest")
+        except ProtocolError:
+            self.release(h)
+            raise
+        return _envelope(h, bytes(header), bytes(signature), rest)
+
+    async def read(self, chunks: AsyncIterator[bytes], *, content_length: int | None = None) -> Envelope:
+        """Verify a frame arriving as an async stream of chunks (e.g. aiohttp's `content.iter_any()`).
+
+        The size is checked before anything is read when `content_length` is known; the header is verified
+        before any payload byte is buffered; the digest is updated chunk by chunk.
+        """
+        if content_length is not None and content_length > max_frame_size():
+            raise TooLarge(f"message of {content_length} bytes exceeds the largest allowed ({max_frame_size()})")
+        reader = _ChunkReader(chunks)
+        (hlen,) = _PREFIX.unpack(await reader.read_exactly(_PREFIX.size, "length prefix"))
+        if hlen > MAX_HEADER_BYTES:
+            raise TooLarge(f"header of {hlen} bytes exceeds {MAX_HEADER_BYTES}")
+        header = await reader.read_exactly(hlen, "header")
+        signature = await reader.read_exactly(SIGNATURE_BYTES, "signature")
+        h = self.check_header(header, signature)
+        try:
+            n = h["payload_len"]
+            if content_length is not None and content_length != _PREFIX.size + hlen + SIGNATURE_BYTES + n:
+                raise Malformed("Content-Length does not match the envelope's payload_len")
+            payload = bytearray(n)
+            digest = hashlib.sha256()
+            view = memoryview(payload)
+            pos = 0
+            async for part in reader.rest():
+                if pos + len(part) > n:
+                    raise Malformed(f"payload longer than the {n} bytes its header declares")
+                view[pos : pos + len(part)] = part
+                digest.update(part)
+                pos += len(part)
+            if pos != n:
+                raise Malformed(f"payload ended after {pos} of {n} bytes")
+            if digest.digest() != h["payload_digest"]:
+                raise BadSignature("payload does not match its signed digest")
+        except BaseException:
+            self.release(h)
+            raise
+        return _envelope(h, header, signature, payload)
+
+
+def _envelope(h: dict[str, Any], header: bytes, signature: bytes, payload: Any) -> Envelope:
+    return Envelope(
+        kind=h["kind"],
+        run_id=h["run_id"],
+        sender=h["sender"],
+        nonce=h["nonce"],
+        timestamp_ms=h["timestamp_ms"],
+        fields=h["fields"],
+        payload=payload,
+        header=header,
+        signature=signature,
+    )
+
+
+def _split_prefix(mv: memoryview) -> tuple[memoryview, memoryview, memoryview]:
+    if len(mv) < _PREFIX.size:
+        raise Malformed("message shorter than its length prefix")
+    (hlen,) = _PREFIX.unpack(mv[: _PREFIX.size])
+    if hlen > MAX_HEADER_BYTES:
+        raise TooLarge(f"header of {hlen} bytes exceeds {MAX_HEADER_BYTES}")
+    end = _PREFIX.size + hlen
+    if len(mv) < end + SIGNATURE_BYTES:
+        raise Malformed("message ends inside its header or signature")
+    return mv[_PREFIX.size : end], mv[end : end + SIGNATURE_BYTES], mv[end + SIGNATURE_BYTES :]
+
+
+class _ChunkReader:
+    """Exact reads over an async iterator of byte chunks."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._it = chunks.__aiter__()
+        self._buf = bytearray()
+
+    async def read_exactly(self, n: int, what: str) -> bytes:
+        while len(self._buf) < n:
+            try:
+                self._buf += await self._it.__anext__()
+            except StopAsyncIteration:
+                raise Malformed(f"message ended inside its {what}") from None
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    async def rest(self) -> AsyncIterator[bytes]:
+        if self._buf:
+            yield bytes(self._buf)
+            self._buf.clear()
+        async for part in self._it:
+            yield part

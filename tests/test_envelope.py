@@ -1,0 +1,237 @@
+import asyncio
+import hashlib
+import struct
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from diloco.protocol import canonical
+from diloco.protocol.envelope import (
+    DOMAIN,
+    MAX_HEADER_BYTES,
+    EnvelopeVerifier,
+    max_frame_size,
+    register_kind,
+    seal,
+)
+from diloco.protocol.errors import (
+    BadSignature,
+    Expired,
+    Malformed,
+    NotMember,
+    ProtocolError,
+    Replayed,
+    TooLarge,
+    WrongRun,
+)
+from diloco.protocol.identity import Identity
+
+RUN = hashlib.sha256(b"run").digest()
+OTHER_RUN = hashlib.sha256(b"other").digest()
+register_kind("test.small", 1024)
+
+SENDER = Identity.generate()
+
+
+def frame(payload=b"hello", kind="test.small", run=RUN, fields=None, **kw):
+    return seal(SENDER, kind, run, fields or {"p": 3, "v": [1, 2]}, payload, **kw).to_bytes()
+
+
+async def chunked(data: bytes, size: int):
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+def read(verifier, data, size=7, content_length=None):
+    return asyncio.run(verifier.read(chunked(data, size), content_length=content_length))
+
+
+def test_sealed_envelope_opens_with_every_field_intact():
+    env = EnvelopeVerifier(RUN).open(frame(b"xyz", fields={"p": 1}))
+    assert env.kind == "test.small" and env.run_id == RUN and env.sender == SENDER.public_key
+    assert env.fields == {"p": 1} and bytes(env.payload) == b"xyz"
+    assert env.sender_id == SENDER.peer_id
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64, 10_000])
+def test_streamed_envelope_verifies_at_any_chunk_size(chunk):
+    data = frame(b"p" * 900)
+    env = read(EnvelopeVerifier(RUN), data, chunk, content_length=len(data))
+    assert bytes(env.payload) == b"p" * 900
+
+
+def test_relayed_envelope_is_byte_identical():
+    env = EnvelopeVerifier(RUN).open(frame())
+    assert env.prefix() + bytes(env.payload) == env.to_bytes()
+    assert EnvelopeVerifier(RUN).open(env.to_bytes()).fields == env.fields
+
+
+def test_tampered_header_fails_signature():
+    data = bytearray(frame())
+    i = data.index(msgpack.packb("fields")) + 8
+    data[i] ^= 1
+    with pytest.raises((BadSignature, Malformed)):
+        EnvelopeVerifier(RUN).open(bytes(data))
+
+
+def test_tampered_payload_fails_digest_and_releases_nonce():
+    good = frame(b"payload")
+    bad = good[:-1] + b"X"
+    v = EnvelopeVerifier(RUN)
+    with pytest.raises(BadSignature, match="digest"):
+        v.open(bad)
+    with pytest.raises(BadSignature, match="digest"):
+        read(v, bad)
+    assert bytes(v.open(good).payload) == b"payload"  # the failed copies did not burn the nonce
+
+
+def test_signature_by_another_key_is_bad_signature():
+    env = seal(SENDER, "test.small", RUN, {}, b"")
+    forged = struct.pack(">I", len(env.header)) + env.header + Identity.generate().sign(DOMAIN + env.header)
+    with pytest.raises(BadSignature):
+        EnvelopeVerifier(RUN).open(forged)
+
+
+def test_same_message_twice_is_replayed():
+    data = frame()
+    v = EnvelopeVerifier(RUN)
+    v.open(data)
+    with pytest.raises(Replayed):
+        v.open(data)
+    with pytest.raises(Replayed):
+        read(v, data)
+
+
+def test_timestamp_outside_skew_is_expired():
+    now = 1_000_000.0
+    v = EnvelopeVerifier(RUN, max_skew_s=30, clock=lambda: now)
+    v.open(frame(now_ms=int((now - 29) * 1000)))
+    with pytest.raises(Expired, match="NTP"):
+        v.open(frame(now_ms=int((now - 31) * 1000)))
+    with pytest.raises(Expired):
+        v.open(frame(now_ms=int((now + 31) * 1000)))
+
+
+def test_wrong_run_is_refused():
+    with pytest.raises(WrongRun, match="run"):
+        EnvelopeVerifier(RUN).open(frame(run=OTHER_RUN))
+
+
+def test_non_member_is_refused_after_signature_check():
+    v = EnvelopeVerifier(RUN, is_member=lambda pk: pk != SENDER.public_key)
+    with pytest.raises(NotMember, match=SENDER.peer_id):
+        v.open(frame())
+
+
+def test_payload_over_kind_limit_is_too_large_before_reading():
+    register_kind("test.tiny", 4)
+    with pytest.raises(TooLarge):
+        seal(SENDER, "test.tiny", RUN, {}, b"12345")
+    env = seal(SENDER, "test.small", RUN, {}, b"12345")
+    register_kind("test.small", 4)
+    try:
+        with pytest.raises(TooLarge):
+            EnvelopeVerifier(RUN).open(env.to_bytes())
+    finally:
+        register_kind("test.small", 1024)
+
+
+def test_content_length_over_any_limit_is_refused_before_reading():
+    async def never():
+        raise AssertionError("must not read")
+        yield b""
+
+    with pytest.raises(TooLarge):
+        asyncio.run(EnvelopeVerifier(RUN).read(never(), content_length=max_frame_size() + 1))
+
+
+def test_header_length_prefix_over_limit_is_too_large():
+    data = struct.pack(">I", MAX_HEADER_BYTES + 1) + b"\0" * 100
+    with pytest.raises(TooLarge):
+        EnvelopeVerifier(RUN).open(data)
+    with pytest.raises(TooLarge):
+        read(EnvelopeVerifier(RUN), data)
+
+
+def test_truncated_and_extended_payloads_are_malformed():
+    data = frame(b"abcdef")
+    with pytest.raises(Malformed, match="ended"):
+        read(EnvelopeVerifier(RUN), data[:-2])
+    with pytest.raises(Malformed, match="longer"):
+        read(EnvelopeVerifier(RUN), data + b"zz")
+    with pytest.raises(Malformed):
+        EnvelopeVerifier(RUN).open(data[:-2])
+
+
+def test_content_length_mismatch_is_malformed():
+    data = frame()
+    with pytest.raises(Malformed, match="Content-Length"):
+        read(EnvelopeVerifier(RUN), data, content_length=len(data) + 1)
+
+
+def test_non_canonical_header_is_malformed():
+    env = seal(SENDER, "test.small", RUN, {"b": 1, "a": 2}, b"")
+    h = msgpack.unpackb(env.header)
+    reordered = msgpack.packb(dict(reversed(list(h.items()))), use_bin_type=True)
+    assert reordered != env.header
+    data = struct.pack(">I", len(reordered)) + reordered + SENDER.sign(DOMAIN + reordered)
+    with pytest.raises(Malformed, match="canonical"):
+        EnvelopeVerifier(RUN).open(data)
+
+
+def test_header_with_missing_or_extra_fields_is_malformed():
+    env = seal(SENDER, "test.small", RUN, {}, b"")
+    h = canonical.unpackb(env.header)
+    for mutate in (lambda d: d.pop("nonce"), lambda d: d.__setitem__("extra", 1),
+                   lambda d: d.__setitem__("nonce", b"short"), lambda d: d.__setitem__("v", 99)):
+        d = dict(h)
+        mutate(d)
+        hb = canonical.packb(d)
+        data = struct.pack(">I", len(hb)) + hb + SENDER.sign(DOMAIN + hb)
+        with pytest.raises(Malformed):
+            EnvelopeVerifier(RUN).open(data)
+
+
+def test_canonical_refuses_ext_types_and_trailing_bytes():
+    with pytest.raises(Malformed):
+        canonical.unpackb(msgpack.packb(msgpack.ExtType(5, b"x")))
+    with pytest.raises(Malformed):
+        canonical.unpackb(canonical.packb({"a": 1}) + b"\0")
+    with pytest.raises(Malformed):
+        canonical.packb({1: 2})
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.binary(max_size=400))
+def test_random_bytes_only_raise_protocol_errors(data):
+    with pytest.raises(ProtocolError):
+        EnvelopeVerifier(RUN).open(data)
+    with pytest.raises(ProtocolError):
+        read(EnvelopeVerifier(RUN), data, 5)
+
+
+VALID = frame(b"0123456789", fields={"p": 2, "tokens": 1000, "name": "x"})
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), min_size=1, max_size=4),
+    st.integers(-5, 5),
+)
+def test_mutated_envelopes_only_raise_protocol_errors(edits, resize):
+    data = bytearray(VALID)
+    for i, b in edits:
+        data[i] = b
+    if resize < 0:
+        data = data[:resize]
+    else:
+        data += b"\x07" * resize
+    data = bytes(data)
+    for attempt in (lambda: EnvelopeVerifier(RUN).open(data), lambda: read(EnvelopeVerifier(RUN), data, 9)):
+        try:
+            env = attempt()
+        except ProtocolError:
+            continue
+        assert env.to_bytes() == VALID  # only a no-op mutation may pass
