@@ -1,0 +1,296 @@
+"""HTTP transport: one aiohttp server per peer, and one pooled client (DESIGN §4).
+
+Every layer registers its routes on the same `PeerServer`, under `/v1/`. Envelope routes verify the signed
+frame while it streams in, before the handler sees it, and map every `ProtocolError` to its HTTP status with
+a one-line reason. The `PeerClient` gives each request a deadline learned from the link (`deadlines.py`),
+retries only idempotent requests, and refuses oversized answers before reading them.
+
+Nothing here knows what a DHT or a delta is; nothing here ever deserializes with pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from .deadlines import DeadlinePolicy, LinkEstimator
+from .envelope import Envelope, EnvelopeVerifier, max_frame_size
+from .errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+CHUNK = 256 * 1024
+DEFAULT_MAX_RESPONSE = 64 * 1024 * 1024
+
+
+class TransportError(Exception):
+    """A request that did not get a usable answer. `retryable` says whether trying later may help."""
+
+    retryable = True
+
+
+class PeerUnreachable(TransportError):
+    """The connection could not be made or broke before the answer."""
+
+
+class DeadlineExceeded(TransportError):
+    """No complete answer within the request's deadline."""
+
+
+class ResponseTooLarge(TransportError):
+    retryable = False
+
+
+class RemoteError(TransportError):
+    """The peer answered with an error status; `reason` is its one-line explanation."""
+
+    def __init__(self, status: int, reason: str, url: str) -> None:
+        super().__init__(f"{url} answered {status}: {reason}")
+        self.status = status
+        self.reason = reason
+        self.retryable = status in (429, 502, 504)
+
+
+@dataclass
+class RouteCounter:
+    requests: int = 0
+    errors: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+@dataclass
+class Counters:
+    """Bytes and requests per route, for what this peer served and what it sent."""
+
+    served: dict[str, RouteCounter] = field(default_factory=dict)
+    sent: dict[str, RouteCounter] = field(default_factory=dict)
+
+    def record(self, side: str, route: str, bytes_in: int, bytes_out: int, ok: bool) -> None:
+        table = self.served if side == "served" else self.sent
+        c = table.setdefault(route, RouteCounter())
+        c.requests += 1
+        c.errors += 0 if ok else 1
+        c.bytes_in += bytes_in
+        c.bytes_out += bytes_out
+
+    def totals(self) -> dict[str, int]:
+        rows = [*self.served.values(), *self.sent.values()]
+        return {"bytes_in": sum(c.bytes_in for c in rows), "bytes_out": sum(c.bytes_out for c in rows)}
+
+
+BYTES_IN = web.RequestKey("bytes_in", int)
+EnvelopeHandler = Callable[[Envelope, web.Request], Awaitable[bytes | web.StreamResponse]]
+
+
+def error_response(status: int, reason: str) -> web.Response:
+    return web.Response(status=status, text=reason.replace("\n", " ")[:500] + "\n")
+
+
+class PeerServer:
+    """The one HTTP server of a peer. Call `add_*_route` before `start()`."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout_s: float = 5.0) -> None:
+        self.host = host
+        self.port = port
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.counters = Counters()
+        self.closing = False
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=1024 * 1024)
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def add_route(self, method: str, path: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
+        self.app.router.add_route(method, path, handler)
+
+    def add_envelope_route(
+        self, path: str, verifier: EnvelopeVerifier, handler: EnvelopeHandler, *, kinds: Iterable[str] | None = None
+    ) -> None:
+        """POST route whose body is one envelope, verified (signature, run, replay, digest) before `handler`."""
+        accepted = frozenset(kinds) if kinds is not None else None
+
+        async def route(request: web.Request) -> web.StreamResponse:
+            env = await verifier.read(request.content.iter_chunked(CHUNK), content_length=request.content_length)
+            if accepted is not None and env.kind not in accepted:
+                return error_response(400, f"message kind {env.kind!r} is not accepted on {path}")
+            request[BYTES_IN] = env.frame_size()
+            out = await handler(env, request)
+            return web.Response(body=out, content_type="application/octet-stream") if isinstance(out, bytes) else out
+
+        self.app.router.add_post(path, route)
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
+        if self.closing:
+            return error_response(503, "peer is shutting down")
+        if request.content_length is not None and request.content_length > max_frame_size():
+            resp: web.StreamResponse = error_response(413, f"body of {request.content_length} bytes is too large")
+        else:
+            try:
+                resp = await handler(request)
+            except ProtocolError as e:
+                resp = error_response(e.status, e.reason)
+            except web.HTTPException as e:
+                resp = e
+            except (ConnectionResetError, asyncio.IncompleteReadError, aiohttp.ClientPayloadError):
+                resp = error_response(400, "request body ended early")
+            except Exception:
+                log.exception("handler for %s failed", route)
+                resp = error_response(500, "internal error in the handler; see the peer's log")
+        body_len = len(resp.body) if isinstance(resp, web.Response) and isinstance(resp.body, bytes) else 0
+        self.counters.record(
+            "served", route, request.get(BYTES_IN, request.content_length or 0), body_len, resp.status < 400
+        )
+        return resp
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(
+            self.app, access_log=None, handle_signals=False, shutdown_timeout=self.shutdown_timeout_s
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no public getter
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Refuse new requests, let in-flight ones finish within `shutdown_timeout_s`, then cancel them."""
+        self.closing = True
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+class PeerClient:
+    """Pooled HTTP client with adaptive per-link deadlines, size limits and safe retries."""
+
+    def __init__(
+        self,
+        *,
+        policy: DeadlinePolicy | None = None,
+        retries: int = 2,
+        limit: int = 256,
+        limit_per_host: int = 8,
+        max_response: int = DEFAULT_MAX_RESPONSE,
+    ) -> None:
+        self.policy = policy or DeadlinePolicy()
+        self.retries = retries
+        self.max_response = max_response
+        self.counters = Counters()
+        self.links: dict[str, LinkEstimator] = {}
+        self._limit = (limit, limit_per_host)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> PeerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self._limit[0], limit_per_host=self._limit[1])
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def link(self, url: str) -> LinkEstimator:
+        est = self.links.get(url)
+        if est is None:
+            est = self.links[url] = LinkEstimator(self.policy)
+        return est
+
+    async def send_envelope(self, url: str, path: str, env: Envelope, **kw) -> bytes:
+        """POST one envelope; large payloads stream without being copied into one buffer."""
+        if len(env.payload) <= CHUNK:
+            return await self.request("POST", url, path, body=env.to_bytes(), **kw)
+        return await self.request("POST", url, path, body=[env.prefix(), env.payload], **kw)
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        *,
+        body: bytes | list[bytes | bytearray | memoryview] = b"",
+        idempotent: bool = False,
+        deadline_s: float | None = None,
+        max_response: int | None = None,
+    ) -> bytes:
+        """One request with a deadline; retried with jittered backoff only if `idempotent`."""
+        nbytes = len(body) if isinstance(body, bytes) else sum(len(p) for p in body)
+        attempts = 1 + (self.retries if idempotent else 0)
+        for attempt in range(attempts):
+            try:
+                return await self._once(method, url, path, body, nbytes, deadline_s, max_response or self.max_response)
+            except TransportError as e:
+                if attempt + 1 >= attempts or not e.retryable:
+                    raise
+                await asyncio.sleep(min(2.0, 0.1 * 2**attempt) * random.uniform(0.5, 1.5))
+        raise AssertionError("unreachable")
+
+    async def _once(
+        self, method: str, url: str, path: str, body, nbytes: int, deadline_s: float | None, max_response: int
+    ) -> bytes:
+        link = self.link(url)
+        deadline = deadline_s if deadline_s is not None else link.deadline(nbytes)
+        data = body if isinstance(body, bytes) else _stream(body)
+        headers = {"Content-Length": str(nbytes), "Content-Type": "application/octet-stream"}
+        start = time.monotonic()
+        received = 0
+        try:
+            async with asyncio.timeout(deadline):
+                async with self.session.request(method, url + path, data=data, headers=headers) as resp:
+                    if resp.content_length is not None and resp.content_length > max_response:
+                        raise ResponseTooLarge(f"{url}{path} answered {resp.content_length} bytes (limit {max_response})")
+                    out = bytearray()
+                    async for part in resp.content.iter_chunked(CHUNK):
+                        out += part
+                        if len(out) > max_response:
+                            raise ResponseTooLarge(f"{url}{path} answered more than {max_response} bytes")
+                    received = len(out)
+                    if resp.status >= 400:
+                        raise RemoteError(resp.status, bytes(out[:500]).decode("utf-8", "replace").strip(), url)
+        except TimeoutError:
+            self.counters.record("sent", path, received, nbytes, False)
+            raise DeadlineExceeded(f"{url}{path} gave no complete answer within {deadline:.2f}s") from None
+        except aiohttp.ClientError as e:
+            self.counters.record("sent", path, received, nbytes, False)
+            raise PeerUnreachable(f"{url}{path}: {type(e).__name__}: {e}") from None
+        except OSError as e:
+            self.counters.record("sent", path, received, nbytes, False)
+            raise PeerUnreachable(f"{url}{path}: {e.strerror or e}") from None
+        except TransportError:
+            self.counters.record("sent", path, received, nbytes, False)
+            raise
+        link.observe(time.monotonic() - start, nbytes + received)
+        self.counters.record("sent", path, received, nbytes, True)
+        return bytes(out)
+
+
+async def _stream(parts: list[bytes | bytearray | memoryview]) -> AsyncIterator[bytes]:
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for i in range(0, len(view), CHUNK):
+            yield view[i : i + CHUNK]
+
