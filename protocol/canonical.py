@@ -20,22 +20,26 @@ _MAX_DEPTH = 32
 
 
 def _canon(obj: Any, depth: int = 0) -> Any:
-    if depth > _MAX_DEPTH:
-        raise Malformed("value nested too deeply")
-    if obj is None or isinstance(obj, bool | int | float | str | bytes):
-        if isinstance(obj, int) and not isinstance(obj, bool) and not -(2**63) <= obj < 2**64:
+    t = type(obj)
+    if t is str or t is bytes or t is float or t is bool or obj is None:
+        return obj
+    if t is int:
+        if not -(2**63) <= obj < 2**64:
             raise Malformed("integer out of the 64-bit range")
         return obj
-    if isinstance(obj, bytearray | memoryview):
-        return bytes(obj)
-    if isinstance(obj, list | tuple):
-        return [_canon(x, depth + 1) for x in obj]
-    if isinstance(obj, dict):
+    if depth > _MAX_DEPTH:
+        raise Malformed("value nested too deeply")
+    if t is dict:
         for k in obj:
-            if not isinstance(k, str):
+            if type(k) is not str:
                 raise Malformed(f"map keys must be strings, got {type(k).__name__}")
-        return {k: _canon(obj[k], depth + 1) for k in sorted(obj, key=lambda s: s.encode())}
-    raise Malformed(f"type {type(obj).__name__} is not allowed in a canonical message")
+        # Python orders str by code point, which is the order of their UTF-8 bytes.
+        return {k: _canon(obj[k], depth + 1) for k in sorted(obj)}
+    if t is list or t is tuple:
+        return [_canon(x, depth + 1) for x in obj]
+    if t is bytearray or t is memoryview:
+        return bytes(obj)
+    raise Malformed(f"type {t.__name__} is not allowed in a canonical message")
 
 
 def packb(obj: Any) -> bytes:
@@ -47,8 +51,12 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise Malformed(f"msgpack ext type {code} is not allowed")
 
 
-def unpackb(data: bytes | bytearray | memoryview, *, max_len: int = 1 << 20) -> Any:
-    """Decode canonical msgpack, refusing trailing bytes, ext types and non-canonical encodings."""
+def unpackb(data: bytes | bytearray | memoryview, *, max_len: int = 1 << 20, strict: bool = True) -> Any:
+    """Decode canonical msgpack, refusing trailing bytes, ext types and non-canonical encodings.
+
+    `strict=False` skips the re-encoding check, for bytes already covered by a verified digest (an envelope
+    payload): their encoding cannot be changed without breaking the signature, so canonical form adds nothing.
+    """
     if len(data) > max_len:
         raise Malformed(f"msgpack value of {len(data)} bytes exceeds {max_len}")
     try:
@@ -64,6 +72,9 @@ def unpackb(data: bytes | bytearray | memoryview, *, max_len: int = 1 << 20) -> 
         raise
     except Exception as e:  # msgpack raises a zoo: ExtraData, FormatError, StackError, ValueError, ...
         raise Malformed(f"not valid msgpack: {type(e).__name__}: {e}") from None
+    if not strict:
+        _canon(obj)  # still refuse types outside the plain set (ext timestamps)
+        return obj
     if packb(obj) != bytes(data):
         raise Malformed("msgpack value is not in canonical form")
     return obj

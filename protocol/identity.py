@@ -7,6 +7,7 @@ file that group or others can read: a leaked training key lets anyone sign delta
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import stat
@@ -52,7 +53,27 @@ def node_id_of(public_key: bytes) -> int:
 
 
 def verify(public_key: bytes, signature: bytes, message: bytes) -> None:
-    """Raise `BadSignature` unless `signature` is `public_key`'s Ed25519 signature of `message`."""
+    """Raise `BadSignature` unless `signature` is `public_key`'s Ed25519 signature of `message`.
+
+    Small messages that verified once are remembered: DHT replies carry the same signed node infos again and
+    again, and re-verifying identical bytes proves nothing new. Failures are never cached.
+    """
+    if len(message) <= _CACHE_MAX_MESSAGE:
+        _verify_cached(bytes(public_key), bytes(signature), bytes(message))
+    else:
+        _verify(public_key, signature, message)
+
+
+_CACHE_MAX_MESSAGE = 4096
+
+
+@functools.lru_cache(maxsize=16384)
+def _verify_cached(public_key: bytes, signature: bytes, message: bytes) -> bool:
+    _verify(public_key, signature, message)
+    return True
+
+
+def _verify(public_key: bytes, signature: bytes, message: bytes) -> None:
     if len(public_key) != PUBLIC_KEY_BYTES:
         raise Malformed(f"public key must be {PUBLIC_KEY_BYTES} bytes, got {len(public_key)}")
     if len(signature) != SIGNATURE_BYTES:
@@ -75,17 +96,17 @@ class Identity:
     def generate(cls) -> Identity:
         return cls(Ed25519PrivateKey.generate())
 
-    @property
+    @functools.cached_property
     def public_key(self) -> bytes:
         return self.private_key.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
 
-    @property
+    @functools.cached_property
     def peer_id(self) -> str:
         return peer_id_of(self.public_key)
 
-    @property
+    @functools.cached_property
     def node_id(self) -> int:
         return node_id_of(self.public_key)
 

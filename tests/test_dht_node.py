@@ -1,0 +1,170 @@
+import asyncio
+import random
+import signal
+import socket
+import time
+
+import pytest
+
+from diloco.protocol import canonical
+from diloco.protocol.dht import ValueRecord
+from diloco.protocol.dht.node import DHT_ROUTE, DHTConfig, DHTNode
+from diloco.protocol.envelope import seal
+from diloco.protocol.identity import Identity
+from diloco.protocol.transport import PeerClient
+
+from .helpers import Proc, cli
+
+
+async def swarm(n: int, client: PeerClient, **kw) -> list[DHTNode]:
+    nodes = [await DHTNode.start(client=client, **kw)]
+    rng = random.Random(0)
+    while len(nodes) < n:
+        batch = min(8, n - len(nodes))
+        nodes += await asyncio.gather(
+            *(DHTNode.start(client=client, bootstrap=[rng.choice(nodes).url], **kw) for _ in range(batch))
+        )
+    return nodes
+
+
+@pytest.fixture
+async def client():
+    c = PeerClient(retries=0)
+    yield c
+    await c.close()
+
+
+async def stop_all(nodes):
+    await asyncio.gather(*(n.stop() for n in nodes))
+
+
+@pytest.mark.timeout(120)
+async def test_every_value_is_found_from_every_node_of_64(client):
+    nodes = await swarm(64, client)
+    try:
+        exp = time.time() + 600
+        for i in range(5):
+            assert await nodes[i * 7].store(f"key-{i}", f"value-{i}".encode(), exp) >= 10
+        for i in range(5):
+            got = await asyncio.gather(*(n.get(f"key-{i}") for n in nodes))
+            assert got == [f"value-{i}".encode()] * 64, f"key-{i} missing on {got.count(None)} nodes"
+    finally:
+        await stop_all(nodes)
+
+
+async def test_subkey_dictionary_merges_records_of_several_owners(client):
+    nodes = await swarm(12, client)
+    try:
+        exp = time.time() + 60
+        for n in nodes[:4]:
+            await n.store("run:x:members", n.identity.peer_id.encode(), exp, subkey=n.identity.peer_id)
+        got = await nodes[-1].get("run:x:members", latest=True)
+        assert set(got) == {n.identity.peer_id for n in nodes[:4]}
+        assert all(v == (k.encode(), exp) for k, v in got.items())
+    finally:
+        await stop_all(nodes)
+
+
+async def test_values_survive_killing_a_tenth_of_the_nodes(client):
+    nodes = await swarm(40, client)
+    try:
+        exp = time.time() + 600
+        for i in range(10):
+            await nodes[i].store(f"k{i}", b"v", exp)
+        dead = nodes[30:]
+        await stop_all(dead)  # servers gone: connections are refused from now on
+        alive = nodes[:30]
+        got = await asyncio.gather(*(random.choice(alive).get(f"k{i}") for i in range(10)))
+        assert got == [b"v"] * 10
+    finally:
+        await stop_all(nodes[:30])
+
+
+async def _send_store(client, node: DHTNode, sender: Identity, record_wire) -> list:
+    sender_info = (await DHTNode.start(sender, client=client)).info
+    payload = canonical.packb({"node": sender_info.to_wire(), "records": [record_wire]})
+    env = seal(sender, "dht", node.network_id, {"op": "store"}, payload)
+    raw = await client.send_envelope(node.url, DHT_ROUTE, env)
+    reply = node._replies.open(raw)
+    return canonical.unpackb(reply.payload, max_len=1 << 22)["stored"]
+
+
+async def test_bad_records_are_refused_with_a_reason_and_stored_nowhere(client):
+    nodes = await swarm(6, client)
+    mallory, alice = Identity.generate(), Identity.generate()
+    good = ValueRecord.create(mallory, "k", b"v", time.time() + 60)
+    forged = {**ValueRecord.create(mallory, "members", b"v", time.time() + 60).to_wire(), "subkey": alice.peer_id}
+    tampered = {**good.to_wire(), "value": b"w"}
+    oversized = ValueRecord.create(mallory, "big", b"x" * (64 * 1024 + 1), time.time() + 60).to_wire()
+    expired = ValueRecord.create(mallory, "old", b"v", time.time() - 1).to_wire()
+    try:
+        for wire, reason in [(forged, "ForgedSubkey"), (tampered, "BadSignature"), (oversized, "TooLarge"),
+                             (expired, "Expired")]:
+            for node in nodes:
+                (result,) = await _send_store(client, node, mallory, wire)
+                assert result is not None and result.startswith(reason), result
+        for node in nodes:
+            assert len(node.storage) == 0
+            assert await node.get("members") is None and await node.get("big") is None
+    finally:
+        await stop_all(nodes)
+
+
+async def test_silent_node_does_not_stall_a_lookup_past_its_deadline(client):
+    nodes = await swarm(8, client, config=DHTConfig(rpc_deadline_s=0.5))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)  # accepts connections, never answers
+    try:
+        silent = await DHTNode.start(client=client)
+        silent_info = silent.info.__class__.create(silent.identity, f"http://127.0.0.1:{sock.getsockname()[1]}")
+        await silent.stop()
+        for n in nodes:
+            n.routing.update(silent_info)
+        t = time.monotonic()
+        await nodes[0].store("k", b"v", time.time() + 60)
+        assert await nodes[3].get("k") == b"v"
+        assert time.monotonic() - t < 3.0, "a silent node stalled the lookup"
+        assert silent_info.node_id not in nodes[0].routing
+    finally:
+        sock.close()
+        await stop_all(nodes)
+
+
+async def test_client_mode_nodes_never_enter_routing_tables(client):
+    nodes = await swarm(6, client)
+    try:
+        light = await DHTNode.start(client=client, client_mode=True, bootstrap=[nodes[0].url])
+        assert await light.store("from-client", b"hi", time.time() + 60) >= 5
+        assert await nodes[4].get("from-client") == b"hi"
+        assert await light.get("from-client") == b"hi"
+        for n in nodes:
+            assert light.identity.node_id not in n.routing
+        await light.stop()
+    finally:
+        await stop_all(nodes)
+
+
+@pytest.mark.timeout(90)
+async def test_four_nodes_in_four_processes(client, tmp_path):
+    procs = []
+    try:
+        first = Proc(cli("dht", "--listen", "127.0.0.1:0"))
+        procs.append(first)
+        url = first.wait_for(r"announced as (\S+)").group(1)
+        for _ in range(3):
+            p = Proc(cli("dht", "--listen", "127.0.0.1:0", "--peers", url))
+            procs.append(p)
+            p.wait_for(r"joined: \d+ nodes")
+        me = await DHTNode.start(client=client, bootstrap=[url])
+        assert len(me.routing) == 4
+        assert await me.store("shared", b"across processes", time.time() + 60) == 5
+        other = await DHTNode.start(client=client, bootstrap=[url])
+        await me.stop()
+        assert await other.get("shared") == b"across processes"
+        await other.stop()
+        procs[1].kill(signal.SIGINT)
+        assert procs[1].popen.returncode == 0
+    finally:
+        for p in procs:
+            p.kill()
