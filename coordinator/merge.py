@@ -1,0 +1,174 @@
+"""The merge rule of one fragment's outer step (DESIGN §7 "Merge"): many learners' deltas in, one delta out.
+
+Pure tensor math, no network and no state. Each contribution is weighted by the tokens behind it and
+discounted by its staleness; non-finite deltas are refused; outlier norms are clipped to c·median; then
+non-embedding fragments use radial-directional averaging (RDA) and embedding fragments the weighted mean.
+Deltas are 1-D fragments (plan.py); arithmetic is fp32 with fp64 norms and scalar weights. Loops run over
+contributions, never over elements.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from diloco.protocol.errors import Malformed
+
+# Below this norm x/‖x‖ is not representable in fp32 (the smallest normal fp32), so φ(x) is taken as 0.
+_TINY = torch.finfo(torch.float32).tiny
+_EPS = torch.finfo(torch.float32).eps
+
+
+class InvalidContribution(Malformed, ValueError):
+    """A contribution that must not be merged (bad shape, dtype or counters). The caller drops and counts it."""
+
+
+class NonFiniteDelta(InvalidContribution):
+    """A delta holding NaN or ±inf (or whose norm overflows)."""
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One learner's pseudo-gradient Δ = Θ_anchor − θ_local for a fragment, with the counters behind it."""
+
+    delta: Tensor
+    tokens: int
+    steps: int
+    staleness: int = 0
+    learner: str = ""
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    delta: Tensor  # the merged 1-D fp32 delta
+    weights: list[float]  # normalised weights w_m / Σ w, in contribution order
+    clipped: int  # how many deltas had their norm clipped to c·median
+    total_tokens: int
+
+
+def token_weight(tokens: int, steps: int, staleness: int = 0) -> float:
+    """w_m = c_tokens·(c_tokens/c_steps) · 1/(1+s)  (Decoupled DiLoCo 2604.21428 token weights; DESIGN §7 discount)."""
+    return tokens * (tokens / steps) / (1 + staleness)
+
+
+def validate(c: Contribution, numel: int | None = None) -> float:
+    """Check one contribution and return ‖Δ‖ (fp64); raise `InvalidContribution`/`NonFiniteDelta`."""
+    d = c.delta
+    who = f"contribution of {c.learner!r}" if c.learner else "contribution"
+    if not isinstance(d, Tensor) or d.dim() != 1 or not d.is_floating_point():
+        raise InvalidContribution(f"{who}: delta must be a 1-D floating tensor")
+    if numel is not None and d.numel() != numel:
+        raise InvalidContribution(f"{who}: delta has {d.numel()} elements, the fragment has {numel}")
+    for field in ("tokens", "steps"):
+        value = getattr(c, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise InvalidContribution(f"{who}: {field} must be a positive integer, got {value!r}")
+    if isinstance(c.staleness, bool) or not isinstance(c.staleness, int) or c.staleness < 0:
+        raise InvalidContribution(f"{who}: staleness must be a non-negative integer, got {c.staleness!r}")
+    # One pass: the norm is finite iff every element is (fp64 so that large finite fp32 values do not overflow).
+    norm = torch.linalg.vector_norm(d, dtype=torch.float64).item()
+    if not math.isfinite(norm):
+        raise NonFiniteDelta(f"{who}: delta holds NaN or infinite values")
+    return norm
+
+
+def drop_stale(contributions: Iterable[Contribution], max_staleness: int) -> tuple[list[Contribution], int]:
+    """Keep contributions with staleness <= max_staleness (in versions); return (kept, number dropped)."""
+    kept, dropped = [], 0
+    for c in contributions:
+        if c.staleness <= max_staleness:
+            kept.append(c)
+        else:
+            dropped += 1
+    return kept, dropped
+
+
+def clip_factors(norms: Sequence[float], c: float) -> list[float]:
+    """Scale s_m = min(1, c·median(‖Δ‖)/‖Δ_m‖): norms above c·median are clipped to it (DESIGN §7)."""
+    limit = c * statistics.median(norms)
+    return [1.0 if n <= limit else limit / n for n in norms]
+
+
+def weighted_mean(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
+    """Σ w_m Δ_m / Σ w_m  (DiLoCo 2311.08105 outer average, token-weighted as in Decoupled DiLoCo 2604.21428)."""
+    total = math.fsum(weights)
+    out = torch.zeros_like(deltas[0], dtype=torch.float32)
+    for d, w in zip(deltas, weights, strict=True):
+        out.add_(d, alpha=w / total)
+    return out
+
+
+def rda(deltas: Sequence[Tensor], weights: Sequence[float], norms: Sequence[float] | None = None) -> Tensor:
+    """RDA_w(Δ) = (Σ w_m‖Δ_m‖ / Σ w_m) · φ(Σ w_m φ(Δ_m) / Σ w_m), φ(x) = x/‖x‖, φ(0) = 0  (Decoupled DiLoCo 2604.21428).
+
+    The radius is the weighted mean norm and the direction the normalised weighted mean of unit directions, so
+    the merged norm does not shrink as learners are added. `norms` may pass precomputed ‖Δ_m‖.
+    """
+    if norms is None:
+        norms = [torch.linalg.vector_norm(d, dtype=torch.float64).item() for d in deltas]
+    total = math.fsum(weights)
+    radius = math.fsum(w * n for w, n in zip(weights, norms, strict=True)) / total
+    direction = torch.zeros_like(deltas[0], dtype=torch.float32)
+    for d, w, n in zip(deltas, weights, norms, strict=True):
+        if n >= _TINY:  # φ(Δ_m) = Δ_m/‖Δ_m‖, else 0
+            direction.add_(d, alpha=w / (total * n))
+    length = torch.linalg.vector_norm(direction, dtype=torch.float64).item()
+    # ‖u‖ <= 1 (a mean of unit vectors). When the directions cancel, what is left of u is fp32 rounding
+    # (about M·ε); normalising it would blow noise up to the full radius, so treat it as 0: φ(0) = 0.
+    if length <= 4 * len(deltas) * _EPS or radius == 0.0:
+        return direction.zero_()
+    return direction.mul_(radius / length)
+
+
+def merge(
+    contributions: Iterable[Contribution],
+    is_embedding: bool = False,
+    clip_c: float = 3.0,
+    *,
+    embedding_numel: int | None = None,
+) -> MergeResult:
+    """Merge the contributions of one fragment (DESIGN §7 "Merge").
+
+    `is_embedding` merges the whole fragment with the weighted mean, otherwise RDA is used; a fragment that
+    mixes both kinds passes `embedding_numel=Fragment.embedding_numel` instead: its first `embedding_numel`
+    elements (the embedding tensors) get the weighted mean and the rest RDA. Clipping uses the whole delta.
+
+    Raises `InvalidContribution` (or its subclass `NonFiniteDelta`) for the first bad contribution: validate
+    each one with `validate` on receipt and drop the bad ones so that this never raises.
+    """
+    cs = list(contributions)
+    if not cs:
+        raise ValueError("merge needs at least one contribution")
+    if not clip_c > 0:
+        raise ValueError(f"clip_c must be positive, got {clip_c}")
+    numel = cs[0].delta.numel()
+    k = numel if is_embedding else (embedding_numel or 0)
+    if not 0 <= k <= numel or (is_embedding and embedding_numel not in (None, numel)):
+        raise ValueError(f"embedding_numel={embedding_numel} does not fit a fragment of {numel} elements")
+    norms = [validate(c, numel) for c in cs]
+    weights = [token_weight(c.tokens, c.steps, c.staleness) for c in cs]
+    total = math.fsum(weights)
+    factors = clip_factors(norms, clip_c)
+    # Clipping is rare: only clipped deltas are copied.
+    deltas = [
+        c.delta if s == 1.0 else c.delta.to(torch.float32) * s for c, s in zip(cs, factors, strict=True)
+    ]
+    if k == numel:
+        delta = weighted_mean(deltas, weights)
+    elif k == 0:
+        delta = rda(deltas, weights, [n * s for n, s in zip(norms, factors, strict=True)])
+    else:  # embedding prefix, the rest RDA (its norms are those of the slice)
+        delta = torch.cat(
+            [weighted_mean([d[:k] for d in deltas], weights), rda([d[k:] for d in deltas], weights)]
+        )
+    return MergeResult(
+        delta=delta,
+        weights=[w / total for w in weights],
+        clipped=sum(1 for s in factors if s < 1.0),
+        total_tokens=sum(c.tokens for c in cs),
+    )

@@ -1,0 +1,83 @@
+"""The outer optimizer of one fragment: SGD with Nesterov momentum on the merged delta (DESIGN §7).
+
+The merged pseudo-gradient Δ = Θ_anchor − θ_local is used as a gradient, exactly as
+`torch.optim.SGD(lr, momentum, nesterov=True)` with `grad = Δ` would use it (DiLoCo 2311.08105, Alg. 1), and the
+arithmetic is the same op for op, so both give the same bits on the same device. `step` is functional: it
+never mutates its inputs, so the owner can form the update U = Θ^(v+1) − Θ^(v) before committing to it. The
+per-fragment state is one momentum tensor, exported as plain tensors for replicas and checkpoints. No
+network, no clocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from diloco.protocol.errors import Malformed
+
+
+class OuterStep(NamedTuple):
+    theta: Tensor  # Θ^(v+1)
+    momentum: Tensor | None  # the new momentum buffer (None when momentum = 0)
+
+
+@dataclass(frozen=True)
+class OuterOptimizer:
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"outer lr must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("Nesterov momentum needs momentum > 0")
+
+    def step(self, theta: Tensor, delta: Tensor, momentum: Tensor | None = None) -> OuterStep:
+        """One outer step of Θ with pseudo-gradient Δ; `momentum` None means a fresh (zero) buffer.
+
+        b' = μ·b + Δ (b' = Δ on the first step);  g = Δ + μ·b' (Nesterov) or b';  Θ' = Θ − lr·g
+        (SGD with Nesterov momentum as in DiLoCo 2311.08105 / torch.optim.SGD, dampening 0, no weight decay).
+        """
+        if theta.shape != delta.shape:
+            raise ValueError(f"theta has shape {tuple(theta.shape)}, delta {tuple(delta.shape)}")
+        with torch.no_grad():
+            grad = delta
+            buf = None
+            if self.momentum != 0:
+                if momentum is None:
+                    buf = torch.clone(delta).detach()
+                else:
+                    if momentum.shape != delta.shape:
+                        raise ValueError(
+                            f"momentum has shape {tuple(momentum.shape)}, delta {tuple(delta.shape)}"
+                        )
+                    buf = momentum.mul(self.momentum).add_(delta)
+                grad = delta.add(buf, alpha=self.momentum) if self.nesterov else buf
+            return OuterStep(theta.add(grad, alpha=-self.lr), buf)
+
+
+def export_state(momentum: Tensor | None) -> dict[str, Tensor]:
+    """The replicable state of one fragment's outer optimizer as plain tensors (safetensors-friendly)."""
+    return {} if momentum is None else {"momentum": momentum.detach().to(torch.float32).contiguous()}
+
+
+def import_state(state: Mapping[str, Tensor], numel: int) -> Tensor | None:
+    """Inverse of `export_state`, checked (it arrives from the owner over the network): raises `Malformed`."""
+    extra = set(state) - {"momentum"}
+    if extra:
+        raise Malformed(f"outer optimizer state has unknown entries {sorted(extra)}")
+    if "momentum" not in state:
+        return None
+    m = state["momentum"]
+    if not isinstance(m, Tensor) or m.dtype != torch.float32 or m.dim() != 1 or m.numel() != numel:
+        raise Malformed(f"outer momentum must be a 1-D fp32 tensor of {numel} elements")
+    if not bool(torch.isfinite(m).all()):
+        raise Malformed("outer momentum holds NaN or infinite values")
+    return m.clone()

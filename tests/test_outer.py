@@ -1,0 +1,103 @@
+"""The outer optimizer is torch.optim.SGD(nesterov=True) with the merged delta as the gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.coordinator.outer import OuterOptimizer, export_state, import_state
+from diloco.protocol.errors import Malformed
+
+torch.set_num_threads(1)
+
+
+def torch_sgd_trajectory(theta0, deltas, lr, momentum, nesterov):
+    param = torch.nn.Parameter(theta0.clone())
+    opt = torch.optim.SGD([param], lr=lr, momentum=momentum, nesterov=nesterov)
+    out = []
+    for d in deltas:
+        param.grad = d.clone()
+        opt.step()
+        out.append(param.detach().clone())
+    return out, opt.state[param].get("momentum_buffer")
+
+
+@pytest.mark.parametrize(
+    ("lr", "momentum", "nesterov"), [(0.7, 0.9, True), (0.3, 0.5, True), (1.0, 0.9, False)]
+)
+def test_outer_step_equals_torch_sgd_over_several_steps(lr, momentum, nesterov):
+    g = torch.Generator().manual_seed(0)
+    theta0 = torch.randn(257, generator=g)
+    deltas = [torch.randn(257, generator=g) * 0.01 for _ in range(6)]
+    expected, expected_buf = torch_sgd_trajectory(theta0, deltas, lr, momentum, nesterov)
+    outer = OuterOptimizer(lr=lr, momentum=momentum, nesterov=nesterov)
+    theta, buf = theta0, None
+    for d, want in zip(deltas, expected, strict=True):
+        theta, buf = outer.step(theta, d, buf)
+        assert torch.equal(theta, want)  # same ops in the same order: the same bits
+    assert torch.equal(buf, expected_buf)
+
+
+def test_plain_sgd_without_momentum_is_theta_minus_lr_delta():
+    outer = OuterOptimizer(lr=0.5, momentum=0.0, nesterov=False)
+    theta, buf = outer.step(torch.ones(3), torch.tensor([1.0, 2.0, 4.0]))
+    torch.testing.assert_close(theta, torch.tensor([0.5, 0.0, -1.0]))
+    assert buf is None
+
+
+def test_first_nesterov_step_moves_by_lr_times_one_plus_momentum():
+    theta, buf = OuterOptimizer(lr=0.7, momentum=0.9).step(torch.zeros(2), torch.ones(2))
+    torch.testing.assert_close(theta, torch.full((2,), -0.7 * 1.9))
+    torch.testing.assert_close(buf, torch.ones(2))
+
+
+def test_step_never_mutates_its_inputs():
+    theta, delta, buf = torch.ones(4), torch.full((4,), 0.5), torch.full((4,), 0.25)
+    OuterOptimizer().step(theta, delta, buf)
+    assert torch.equal(theta, torch.ones(4))
+    assert torch.equal(delta, torch.full((4,), 0.5))
+    assert torch.equal(buf, torch.full((4,), 0.25))
+
+
+def test_state_round_trip_continues_the_same_trajectory():
+    g = torch.Generator().manual_seed(1)
+    theta0 = torch.randn(64, generator=g)
+    deltas = [torch.randn(64, generator=g) for _ in range(4)]
+    outer = OuterOptimizer()
+    theta, buf = theta0, None
+    for d in deltas:
+        theta, buf = outer.step(theta, d, buf)
+    # Replica: takes the exported state after two steps and continues.
+    theta_r, buf_r = theta0, None
+    for d in deltas[:2]:
+        theta_r, buf_r = outer.step(theta_r, d, buf_r)
+    buf_r = import_state(export_state(buf_r), numel=64)
+    for d in deltas[2:]:
+        theta_r, buf_r = outer.step(theta_r, d, buf_r)
+    assert torch.equal(theta_r, theta)
+    assert torch.equal(buf_r, buf)
+
+
+def test_empty_state_round_trips_to_a_fresh_buffer():
+    assert export_state(None) == {}
+    assert import_state({}, numel=8) is None
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"momentum": torch.ones(7)},
+        {"momentum": torch.ones(8, dtype=torch.float64)},
+        {"momentum": torch.full((8,), float("nan"))},
+        {"momentum": torch.ones(8), "extra": torch.ones(1)},
+    ],
+)
+def test_imported_state_is_checked(state):
+    with pytest.raises(Malformed):
+        import_state(state, numel=8)
+
+
+def test_bad_hyperparameters_are_refused():
+    for kwargs in ({"lr": 0.0}, {"momentum": 1.0}, {"momentum": 0.0, "nesterov": True}):
+        with pytest.raises(ValueError):
+            OuterOptimizer(**kwargs)
