@@ -135,6 +135,151 @@ def dht(listen: str, announce: str | None, peers: tuple[str, ...], key: Path | N
         click.echo("dht node stopped", err=True)
 
 
+def _swarm_config(listen: str, announce: str | None, peers: tuple[str, ...], client_mode: bool, region: str,
+                  fast: bool = False):
+    from .swarm import SwarmConfig
+
+    host, port = _hostport(listen)
+    cfg = SwarmConfig(host=host, port=port, announce=announce, peers=[_peer_url(p) for p in peers],
+                      client_mode=True if client_mode else None, region=region)
+    if fast:  # localhost fleets: notice departures within seconds
+        cfg.member_ttl_s, cfg.member_refresh_s, cfg.member_poll_s, cfg.watch_s = 6.0, 2.0, 1.0, 2.0
+    return cfg
+
+
+def _load_run(path: Path):
+    from diloco.coordinator.runspec import Genesis
+    from diloco.protocol.errors import ProtocolError
+
+    try:
+        return Genesis.load(path)
+    except ProtocolError as e:
+        raise UserError(f"run spec {path}: {e.reason}") from None
+
+
+@main.command("init-run")
+@click.option("--name", required=True, help="Run name (shown to peers).")
+@click.option("--task", default="markov", show_default=True, help="Built-in task: markov, kjv or file:PATH.")
+@click.option("--model", "preset", default="tiny", show_default=True, help="Model preset: tiny or small.")
+@click.option("--fragments", default=4, show_default=True, help="P: fragments the model is cut into.")
+@click.option("--inner-steps", default=100, show_default=True, help="H: inner steps between two deltas of a fragment.")
+@click.option("--quorum", default=2, show_default=True, help="K: minimum learners merged per outer step.")
+@click.option("--codec", default="int8", show_default=True, help="Codec of deltas and updates (int8, int4, bf16, ...).")
+@click.option("--outer-lr", default=0.7, show_default=True)
+@click.option("--outer-momentum", default=0.9, show_default=True)
+@click.option("--max-staleness", default=4, show_default=True, help="Deltas older than this many versions are dropped.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the initial parameters.")
+@click.option("--allow", multiple=True, help="Hex public key allowed to join (repeatable); makes the run allowlist-only.")
+@click.option("--key", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_KEY, show_default=True,
+              help="The creator's key file (created if missing); it signs the spec.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("run.spec"), show_default=True)
+def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int, quorum: int, codec: str,
+             outer_lr: float, outer_momentum: float, max_staleness: int, seed: int, allow: tuple[str, ...],
+             key: Path, out: Path) -> None:
+    """Write and sign a RunSpec: everything the swarm must agree on. Prints the run id."""
+    from diloco.protocol.codecs import available_codecs
+    from diloco.protocol.errors import ProtocolError
+
+    from .train import new_run
+
+    if codec not in available_codecs():
+        raise UserError(f"unknown codec {codec!r}; choose one of {', '.join(available_codecs())}")
+    try:
+        allowlist = tuple(bytes.fromhex(a) for a in allow)
+    except ValueError:
+        raise UserError("--allow takes hex public keys (as printed by `diloco-node keygen`)") from None
+    try:
+        genesis = new_run(load_identity(key), name, task=task, model={"model": preset}, fragments=fragments,
+                          inner_steps=inner_steps, quorum=quorum, codec=codec, outer_lr=outer_lr,
+                          outer_momentum=outer_momentum, max_staleness=max_staleness, seed=seed,
+                          membership="allowlist" if allowlist else "open", allowlist=allowlist)
+    except (ProtocolError, ValueError) as e:
+        raise UserError(str(getattr(e, "reason", e))) from None
+    genesis.save(out)
+    click.echo(f"run_id: {genesis.spec.run_id.hex()}")
+    click.echo(f"spec: {out}  (peers join with: diloco-node join --run {out} --peers HOST:PORT)")
+
+
+@main.command()
+@click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The signed run spec written by `diloco-node init-run`.")
+@click.option("--listen", default="0.0.0.0:7000", show_default=True, help="HOST:PORT to serve on.")
+@click.option("--announce", default=None, help="URL other peers should use (behind a 1:1 NAT, or when listening "
+              "on 0.0.0.0).")
+@click.option("--peers", multiple=True, help="HOST:PORT of any peer already in the swarm (repeatable). "
+              "None: start a new swarm.")
+@click.option("--key", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Key file (created if missing). Default: a fresh key each start.")
+@click.option("--data", default=None, help="This learner's own data: file:PATH (default: the run's task data).")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Save and resume local checkpoints here.")
+@click.option("--checkpoint-every", default=200, show_default=True, help="Inner steps between checkpoints.")
+@click.option("--client-mode", is_flag=True, help="Accept no inbound connections (behind NAT): push and pull "
+              "only, own no fragment.")
+@click.option("--region", default="", help="Free-form region label shown to other peers.")
+@click.option("--steps", default=0, show_default=True, help="Stop after this many inner steps (0: run until Ctrl-C).")
+@click.option("--progress-every", default=10, show_default=True)
+@click.option("--eval-every", default=0, show_default=True, help="Evaluate on held-out data every N steps (0: at the end).")
+@click.option("--json", "as_json", is_flag=True, help="Progress as JSON lines.")
+@click.option("--fast-membership", is_flag=True, hidden=True, help="Short member TTLs (localhost fleets).")
+@click.option("--slowdown", default=1.0, hidden=True, help="Straggler emulation factor.")
+def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ...], key: Path | None,
+         data: str | None, device: str, checkpoint_dir: Path | None, checkpoint_every: int, client_mode: bool,
+         region: str, steps: int, progress_every: int, eval_every: int, as_json: bool, fast_membership: bool,
+         slowdown: float) -> None:
+    """Join a run as a learner (and syncer shard) and train the run's task."""
+    from .swarm import JoinError
+    from .train import TrainOptions, train
+
+    genesis = _load_run(run_path)
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda, but torch sees no CUDA device")
+    cfg = _swarm_config(listen, announce, peers, client_mode, region, fast_membership)
+    opts = TrainOptions(steps=steps, data=data, device=device, progress_every=progress_every,
+                        eval_every=eval_every, json=as_json, checkpoint_dir=checkpoint_dir,
+                        checkpoint_every=checkpoint_every if checkpoint_dir else 0, slowdown=slowdown)
+    try:
+        train(genesis, load_identity(key), cfg, opts)
+    except JoinError as e:
+        raise UserError(str(e)) from None
+
+
+@main.command()
+@click.argument("url")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw /v1/status JSON.")
+def status(url: str, as_json: bool) -> None:
+    """Print a peer's view of the swarm (GET URL/v1/status)."""
+    import asyncio
+    import json as _json
+
+    from diloco.protocol.transport import PeerClient, TransportError
+
+    async def fetch() -> dict:
+        async with PeerClient(retries=1) as client:
+            return _json.loads(await client.request("GET", _peer_url(url), "/v1/status", deadline_s=10))
+
+    try:
+        st = asyncio.run(fetch())
+    except TransportError as e:
+        raise UserError(f"cannot get status from {url}: {e}") from None
+    if as_json:
+        click.echo(_json.dumps(st, indent=2))
+        return
+    click.echo(f"peer {st['peer_id'][:12]} in run {st['run_name']} ({st['run_id'][:12]}), step {st['step']}, "
+               f"loss {st['loss']}, {'synced' if st['synced'] else 'syncing'}")
+    click.echo(f"members ({len(st['members'])}):")
+    for m in st["members"]:
+        click.echo(f"  {m['peer_id'][:12]} {m['url'] or '(client mode)'} step {m['step']} {m['region']}")
+    click.echo("fragments:")
+    for f in st["fragments"]:
+        roles = ", ".join(r[:8] for r in f["roles"])
+        click.echo(f"  {f['p']}: version {f['version']}  owner/replicas [{roles}]  outer steps here {f['outer_steps']}")
+
+
 def load_identity(path: Path | None) -> Identity:
     """Load a key for a command, turning key-file problems into one-line user errors."""
     try:

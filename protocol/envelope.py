@@ -209,8 +209,13 @@ class EnvelopeVerifier:
         self.replay = replay or ReplayCache()
         self.kinds = frozenset(kinds) if kinds is not None else None
 
-    def check_header(self, header: bytes, signature: bytes) -> dict[str, Any]:
-        """Verify everything but the payload; reserves the nonce (release it if the payload fails)."""
+    def check_header(self, header: bytes, signature: bytes, *, fresh: bool = True) -> dict[str, Any]:
+        """Verify everything but the payload; reserves the nonce (release it if the payload fails).
+
+        `fresh=False` verifies a relayed record (an update served long after it was signed, a version
+        certificate): shape, kind, size, run, signature and membership, but not its age nor replays. Use it
+        only for messages whose effect is idempotent.
+        """
         h = parse_header(header)
         kind = h["kind"]
         if self.kinds is not None and kind not in self.kinds:
@@ -223,7 +228,7 @@ class EnvelopeVerifier:
             )
         now = self.clock()
         skew = h["timestamp_ms"] / 1000 - now
-        if abs(skew) > self.max_skew_s:
+        if fresh and abs(skew) > self.max_skew_s:
             raise Expired(
                 f"message timestamp is {skew:+.0f}s from this peer's clock (limit ±{self.max_skew_s:.0f}s); "
                 "check the clocks (NTP)"
@@ -231,17 +236,28 @@ class EnvelopeVerifier:
         verify(h["sender"], signature, DOMAIN + header)
         if self.is_member is not None and not self.is_member(h["sender"]):
             raise NotMember(f"peer {peer_id_of(h['sender'])} is not a member of this run")
-        self.replay.reserve(h["sender"] + h["nonce"], h["timestamp_ms"] / 1000 + self.max_skew_s, now)
+        h["fresh"] = fresh
+        if fresh:
+            self.replay.reserve(h["sender"] + h["nonce"], h["timestamp_ms"] / 1000 + self.max_skew_s, now)
         return h
 
     def release(self, h: dict[str, Any]) -> None:
-        self.replay.release(h["sender"] + h["nonce"])
+        if h["fresh"]:
+            self.replay.release(h["sender"] + h["nonce"])
 
-    def open(self, frame: bytes | bytearray | memoryview) -> Envelope:
-        """Verify a whole frame held in memory."""
+    def certificate(self, prefix: bytes | bytearray | memoryview) -> Envelope:
+        """Verify an envelope prefix alone (header + signature, no payload): a version certificate."""
+        header, signature, rest = _split_prefix(memoryview(prefix))
+        if len(rest):
+            raise Malformed("certificate has bytes after its signature")
+        h = self.check_header(bytes(header), bytes(signature), fresh=False)
+        return _envelope(h, bytes(header), bytes(signature), b"")
+
+    def open(self, frame: bytes | bytearray | memoryview, *, fresh: bool = True) -> Envelope:
+        """Verify a whole frame held in memory (`fresh` as in `check_header`)."""
         mv = memoryview(frame)
         header, signature, rest = _split_prefix(mv)
-        h = self.check_header(header, signature)
+        h = self.check_header(bytes(header), bytes(signature), fresh=fresh)
         try:
             if len(rest) != h["payload_len"]:
                 raise Malformed(f"payload is {len(rest)} bytes, header says {h['payload_len']}")
@@ -252,7 +268,9 @@ class EnvelopeVerifier:
             raise
         return _envelope(h, bytes(header), bytes(signature), rest)
 
-    async def read(self, chunks: AsyncIterator[bytes], *, content_length: int | None = None) -> Envelope:
+    async def read(
+        self, chunks: AsyncIterator[bytes], *, content_length: int | None = None, fresh: bool = True
+    ) -> Envelope:
         """Verify a frame arriving as an async stream of chunks (e.g. aiohttp's `content.iter_any()`).
 
         The size is checked before anything is read when `content_length` is known; the header is verified
@@ -266,7 +284,7 @@ class EnvelopeVerifier:
             raise TooLarge(f"header of {hlen} bytes exceeds {MAX_HEADER_BYTES}")
         header = await reader.read_exactly(hlen, "header")
         signature = await reader.read_exactly(SIGNATURE_BYTES, "signature")
-        h = self.check_header(header, signature)
+        h = self.check_header(header, signature, fresh=fresh)
         try:
             n = h["payload_len"]
             if content_length is not None and content_length != _PREFIX.size + hlen + SIGNATURE_BYTES + n:

@@ -115,13 +115,24 @@ class PeerServer:
         self.app.router.add_route(method, path, handler)
 
     def add_envelope_route(
-        self, path: str, verifier: EnvelopeVerifier, handler: EnvelopeHandler, *, kinds: Iterable[str] | None = None
+        self,
+        path: str,
+        verifier: EnvelopeVerifier,
+        handler: EnvelopeHandler,
+        *,
+        kinds: Iterable[str] | None = None,
+        fresh: bool = True,
     ) -> None:
-        """POST route whose body is one envelope, verified (signature, run, replay, digest) before `handler`."""
+        """POST route whose body is one envelope, verified (signature, run, replay, digest) before `handler`.
+
+        `fresh=False` accepts relayed envelopes of any age (no replay window): only for idempotent messages.
+        """
         accepted = frozenset(kinds) if kinds is not None else None
 
         async def route(request: web.Request) -> web.StreamResponse:
-            env = await verifier.read(request.content.iter_chunked(CHUNK), content_length=request.content_length)
+            env = await verifier.read(
+                request.content.iter_chunked(CHUNK), content_length=request.content_length, fresh=fresh
+            )
             if accepted is not None and env.kind not in accepted:
                 return error_response(400, f"message kind {env.kind!r} is not accepted on {path}")
             request[BYTES_IN] = env.frame_size()
@@ -220,7 +231,7 @@ class PeerClient:
             est = self.links[url] = LinkEstimator(self.policy)
         return est
 
-    async def send_envelope(self, url: str, path: str, env: Envelope, **kw) -> bytes:
+    async def send_envelope(self, url: str, path: str, env: Envelope, **kw) -> bytes | bytearray:
         """POST one envelope; large payloads stream without being copied into one buffer."""
         if len(env.payload) <= CHUNK:
             return await self.request("POST", url, path, body=env.to_bytes(), **kw)
@@ -236,7 +247,7 @@ class PeerClient:
         idempotent: bool = False,
         deadline_s: float | None = None,
         max_response: int | None = None,
-    ) -> bytes:
+    ) -> bytes | bytearray:
         """One request with a deadline; retried with jittered backoff only if `idempotent`."""
         nbytes = len(body) if isinstance(body, bytes) else sum(len(p) for p in body)
         attempts = 1 + (self.retries if idempotent else 0)
@@ -251,7 +262,7 @@ class PeerClient:
 
     async def _once(
         self, method: str, url: str, path: str, body, nbytes: int, deadline_s: float | None, max_response: int
-    ) -> bytes:
+    ) -> bytes | bytearray:
         link = self.link(url)
         deadline = deadline_s if deadline_s is not None else link.deadline(nbytes)
         data = body if isinstance(body, bytes) else _stream(body)
@@ -263,11 +274,7 @@ class PeerClient:
                 async with self.session.request(method, url + path, data=data, headers=headers) as resp:
                     if resp.content_length is not None and resp.content_length > max_response:
                         raise ResponseTooLarge(f"{url}{path} answered {resp.content_length} bytes (limit {max_response})")
-                    out = bytearray()
-                    async for part in resp.content.iter_chunked(CHUNK):
-                        out += part
-                        if len(out) > max_response:
-                            raise ResponseTooLarge(f"{url}{path} answered more than {max_response} bytes")
+                    out = await _read_body(resp, max_response, f"{url}{path}")
                     received = len(out)
                     if resp.status >= 400:
                         raise RemoteError(resp.status, bytes(out[:500]).decode("utf-8", "replace").strip(), url)
@@ -285,7 +292,28 @@ class PeerClient:
             raise
         link.observe(time.monotonic() - start, nbytes + received)
         self.counters.record("sent", path, received, nbytes, True)
-        return bytes(out)
+        return out
+
+
+async def _read_body(resp: aiohttp.ClientResponse, limit: int, where: str) -> bytearray:
+    """Read a response body into one buffer, preallocated when its length is known (no copy per chunk)."""
+    if resp.content_length is not None:
+        out = bytearray(resp.content_length)
+        view, pos = memoryview(out), 0
+        async for part in resp.content.iter_chunked(CHUNK):
+            if pos + len(part) > len(out):
+                raise ResponseTooLarge(f"{where} sent more than its Content-Length")
+            view[pos : pos + len(part)] = part
+            pos += len(part)
+        if pos != len(out):
+            raise PeerUnreachable(f"{where} closed the connection after {pos} of {len(out)} bytes")
+        return out
+    out = bytearray()
+    async for part in resp.content.iter_chunked(CHUNK):
+        out += part
+        if len(out) > limit:
+            raise ResponseTooLarge(f"{where} answered more than {limit} bytes")
+    return out
 
 
 async def _stream(parts: list[bytes | bytearray | memoryview]) -> AsyncIterator[bytes]:

@@ -1,0 +1,146 @@
+"""The anchors: the last global version Θ_p of every fragment this peer holds, with its label (DESIGN §6, §7).
+
+One store per peer, shared by the learner (which overwrites its live fragment with the anchor) and the syncer
+shard (which, as owner or replica, advances the anchor by the very update bytes it publishes). Every anchor
+change goes through `advance` or `install` under one lock, so the training thread never reads a half-written
+fragment, and a label never moves backwards. The update frames of the last few versions are kept, so a
+learner that missed one can catch up without downloading the whole fragment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from diloco.protocol.errors import BadSignature, StaleVersion
+
+from .version import GENESIS, Version
+
+KEEP_UPDATES = 8
+
+
+class DigestMismatch(BadSignature):
+    """An update applied to our anchor does not give the bytes its owner certified."""
+
+
+@dataclass
+class Held:
+    """One fragment's anchor and what proves it: the owner-signed header of the update that produced it."""
+
+    anchor: Tensor  # flat fp32
+    label: Version = GENESIS
+    cert: bytes = b""  # envelope prefix (header + signature) of the update whose result is `anchor`
+    updates: deque[tuple[Version, Version, bytes]] = field(default_factory=lambda: deque(maxlen=KEEP_UPDATES))
+
+
+class FragmentStore:
+    """Anchors by fragment index. `dirty` lists fragments whose anchor moved since the learner last copied it."""
+
+    def __init__(self, anchors: list[Tensor]) -> None:
+        self.held = [Held(a.detach().to(torch.float32).contiguous().clone()) for a in anchors]
+        self.lock = threading.Lock()
+        self.dirty: set[int] = set()
+        self.listeners: list = []  # callables (p, label) notified after each change, on the writer's thread
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def label(self, p: int) -> Version:
+        return self.held[p].label
+
+    def labels(self) -> list[Version]:
+        return [h.label for h in self.held]
+
+    def numel(self, p: int) -> int:
+        return self.held[p].anchor.numel()
+
+    def advance(
+        self, p: int, base: Version, new: Version, update: Tensor, frame: bytes, cert: bytes,
+        expect_digest: bytes | None = None,
+    ) -> None:
+        """Θ_p := Θ_p + update, moving the label from `base` to `new`; refuses anything but the next step.
+
+        With `expect_digest` (the owner's SHA-256 of Θ_p^(new)), the result must match it bit for bit, or
+        nothing changes and `DigestMismatch` says the fragment needs a full download.
+        """
+        with self.lock:
+            held = self.held[p]
+            if held.label != base:
+                raise StaleVersion(f"fragment {p} is at {held.label}, the update applies to {base}")
+            if not new > base:
+                raise StaleVersion(f"update to {new} does not move fragment {p} forward from {base}")
+            if expect_digest is not None:
+                result = held.anchor + update.reshape(-1)
+                if anchor_digest(result) != expect_digest:
+                    raise DigestMismatch(f"fragment {p} at {new} differs from the owner's; downloading it whole")
+                held.anchor.copy_(result)
+            else:
+                held.anchor.add_(update.reshape(-1))
+            held.label, held.cert = new, cert
+            held.updates.append((base, new, frame))
+            self.dirty.add(p)
+        self._notify(p, new)
+
+    def relabel(self, p: int, new: Version) -> None:
+        """Same parameters, higher label: a replica taking ownership over (term + 1)."""
+        with self.lock:
+            if not new > self.held[p].label:
+                raise StaleVersion(f"fragment {p} is already at {self.held[p].label}")
+            self.held[p].label = new
+        self._notify(p, new)
+
+    def install(self, p: int, anchor: Tensor, label: Version, cert: bytes) -> None:
+        """Replace the whole anchor (a joiner's download, or a learner that fell too far behind)."""
+        with self.lock:
+            held = self.held[p]
+            if not label > held.label:
+                raise StaleVersion(f"fragment {p} is already at {held.label}, not installing {label}")
+            if anchor.numel() != held.anchor.numel():
+                raise ValueError(f"fragment {p} has {held.anchor.numel()} elements, got {anchor.numel()}")
+            held.anchor.copy_(anchor.reshape(-1))
+            held.label, held.cert = label, cert
+            held.updates.clear()
+            self.dirty.add(p)
+        self._notify(p, label)
+
+    def updates_after(self, p: int, label: Version) -> list[bytes] | None:
+        """The kept update frames that lead from `label` to the current version, or None if not all are kept."""
+        with self.lock:
+            held = self.held[p]
+            chain = list(held.updates)
+        frames: list[bytes] = []
+        at = label
+        for base, new, frame in chain:
+            if base == at:
+                frames.append(frame)
+                at = new
+        return frames if at == held.label else None
+
+    def snapshot(self, p: int) -> tuple[Tensor, Version, bytes]:
+        """A consistent copy of (anchor, label, cert)."""
+        with self.lock:
+            h = self.held[p]
+            return h.anchor.clone(), h.label, h.cert
+
+    def digest(self, p: int) -> bytes:
+        with self.lock:
+            return anchor_digest(self.held[p].anchor)
+
+    def take_dirty(self) -> set[int]:
+        with self.lock:
+            out, self.dirty = self.dirty, set()
+            return out
+
+    def _notify(self, p: int, label: Version) -> None:
+        for fn in self.listeners:
+            fn(p, label)
+
+
+def anchor_digest(anchor: Tensor) -> bytes:
+    """SHA-256 of a fragment's fp32 little-endian bytes: what an update certifies and a download is checked against."""
+    return hashlib.sha256(anchor.detach().contiguous().view(torch.uint8).numpy()).digest()

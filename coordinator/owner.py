@@ -1,0 +1,153 @@
+"""One fragment's owner: collect deltas, decide when to step, merge, take the outer step (DESIGN §7).
+
+Pure state and tensor math, no network: `coordinator.shard` feeds it deltas and carries its publications.
+Deltas are kept as the codec bytes they arrived in and decoded only at the outer step, so a round of M
+learners costs M compressed copies, not M fp32 ones, while it waits.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from diloco.protocol.codecs import Codec
+from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
+
+from .grace import QuorumTracker
+from .merge import Contribution, InvalidContribution, merge
+from .outer import OuterOptimizer
+from .version import Version
+
+
+@dataclass(frozen=True)
+class PendingDelta:
+    learner: str
+    base: Version
+    steps: int
+    tokens: int
+    meta: dict
+    payload: bytes
+
+
+@dataclass
+class Publication:
+    """The result of one outer step: the update to publish and to apply, Θ^(new) = Θ^(base) + update."""
+
+    p: int
+    base: Version
+    new: Version
+    meta: dict
+    payload: bytes
+    update: Tensor
+    learners: list[str]
+    tokens: int
+
+
+@dataclass(frozen=True)
+class OwnerSettings:
+    quorum: int = 2
+    gamma: float = 1.0
+    tau: float = 10.0
+    cap_s: float = 30.0
+    max_staleness: int = 4
+    clip_c: float = 3.0
+    error_feedback: bool = True
+
+
+class FragmentOwner:
+    """Owner of fragment `p` under `term`. The anchor itself lives in the FragmentStore, not here."""
+
+    def __init__(
+        self,
+        p: int,
+        numel: int,
+        embedding_numel: int,
+        codec: Codec,
+        outer: OuterOptimizer,
+        settings: OwnerSettings,
+        term: int,
+        momentum: Tensor | None = None,
+        learners: Iterable[str] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.p, self.numel, self.embedding_numel = p, numel, embedding_numel
+        self.codec, self.outer, self.settings, self.term = codec, outer, settings, term
+        self.momentum = momentum
+        self.residual: Tensor | None = None
+        self.pending: dict[str, PendingDelta] = {}
+        self.tracker = QuorumTracker(learners, settings.quorum, settings.gamma, settings.tau, settings.cap_s, clock)
+        self.dropped: collections.Counter[str] = collections.Counter()
+
+    def offer(self, delta: PendingDelta, current: Version) -> None:
+        """Queue a learner's delta for the next outer step; refuse one too stale to merge."""
+        staleness = current.version - delta.base.version
+        if staleness > self.settings.max_staleness or delta.base > current:
+            self.dropped["stale"] += 1
+            raise StaleVersion(
+                f"delta for fragment {self.p} is based on {delta.base}, the owner is at {current} "
+                f"(max staleness {self.settings.max_staleness}); resync the fragment"
+            )
+        if delta.meta.get("codec") != self.codec.name:
+            self.dropped["codec"] += 1
+            raise Malformed(f"fragment {self.p} takes codec {self.codec.name!r}, got {delta.meta.get('codec')!r}")
+        try:
+            self._decode_one(delta)
+        except ProtocolError:
+            self.dropped["invalid"] += 1
+            raise
+        if delta.learner in self.pending:
+            self.dropped["duplicate"] += 1  # the newer delta of the same learner replaces the older one
+        self.pending[delta.learner] = delta
+        self.tracker.add(delta.learner)
+
+    def ready(self, now: float | None = None) -> bool:
+        return bool(self.pending) and self.tracker.ready(now)
+
+    def deadline(self) -> float | None:
+        return self.tracker.deadline() if self.pending else None
+
+    def step(self, anchor: Tensor, current: Version) -> Publication:
+        """Merge the queued deltas, take the outer step and encode the update. Does not touch `anchor`;
+        the caller applies `Publication.update` once the publication is replicated."""
+        contributions = [
+            Contribution(self._decode_one(d), d.tokens, d.steps, max(0, current.version - d.base.version), d.learner)
+            for d in self.pending.values()
+        ]
+        self.pending.clear()
+        self.tracker.reset()
+        if not contributions:
+            raise InvalidContribution(f"no delta for fragment {self.p} in this round")
+        result = merge(contributions, clip_c=self.settings.clip_c, embedding_numel=self.embedding_numel)
+        stepped = self.outer.step(anchor, result.delta, self.momentum)
+        self.momentum = stepped.momentum
+        update = stepped.theta.sub_(anchor)  # U = Θ^(v+1) − Θ^(v), in the buffer of Θ^(v+1)
+        if self.settings.error_feedback and self.residual is not None:
+            update.add_(self.residual)
+        meta, payload = self.codec.encode(update)
+        decoded = self.codec.decode(meta, payload, max_elements=self.numel)
+        if self.settings.error_feedback:
+            self.residual = update.sub_(decoded)
+        return Publication(
+            p=self.p,
+            base=current,
+            new=Version(self.term, current.version + 1),
+            meta=meta,
+            payload=payload,
+            update=decoded,
+            learners=[c.learner for c in contributions],
+            tokens=result.total_tokens,
+        )
+
+    def _decode_one(self, d: PendingDelta) -> Tensor:
+        """Decode and check one delta: right size, finite. Raises `Malformed`/`InvalidContribution`."""
+        delta = self.codec.decode(d.meta, d.payload, max_elements=self.numel).reshape(-1)
+        if delta.numel() != self.numel:
+            raise Malformed(f"delta has {delta.numel()} elements, fragment {self.p} has {self.numel}")
+        if not bool(torch.isfinite(delta).all()):
+            raise InvalidContribution(f"delta for fragment {self.p} holds NaN or infinite values")
+        return delta

@@ -1,0 +1,307 @@
+"""The syncer shard: this peer's share of the outer optimization (DESIGN §7).
+
+For every fragment this peer owns it takes deltas (`POST /v1/delta`), steps when the quorum and grace window
+say so, replicates the new state to the fragment's replicas (`POST /v1/replicate`), applies the published
+update to its own anchor, pushes the update to the live learners and records the version in the DHT. For
+fragments it replicates it keeps the owner's momentum, so a takeover (term + 1) loses nothing. Ownership
+follows the live member set; a peer that loses a fragment while alive hands its momentum to the new owner.
+
+One timer loop waits for the earliest round deadline; nothing here polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+
+import torch
+from aiohttp import web
+
+from diloco.protocol.codecs import Codec, get_codec
+from diloco.protocol.envelope import Envelope, EnvelopeVerifier, seal
+from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion, Unavailable
+from diloco.protocol.identity import Identity, peer_id_of
+from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
+
+from .fragments import FragmentStore, anchor_digest
+from .membership import Membership
+from .outer import OuterOptimizer
+from .owner import FragmentOwner, OwnerSettings, PendingDelta
+from .plan import FragmentPlan
+from .runspec import RunSpec
+from .sync import FragmentSync
+from .version import GENESIS, Version
+from .wire import (
+    DELTA,
+    REPLICATE,
+    ROUTE_DELTA,
+    ROUTE_REPLICATE,
+    ROUTE_UPDATE,
+    UPDATE,
+    DeltaFields,
+    FragRecord,
+    ReplicateFields,
+    UpdateFields,
+    frag_key,
+)
+
+log = logging.getLogger(__name__)
+PUSH_CONCURRENCY = 8
+FRAG_RECORD_TTL_S = 3600.0
+
+
+class Shard:
+    """Owner and replica duties of one peer. Start `run()` as a task; it returns only when cancelled."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        spec: RunSpec,
+        plan: FragmentPlan,
+        store: FragmentStore,
+        membership: Membership,
+        client: PeerClient,
+        server: PeerServer,
+        sync: FragmentSync,
+        codec: Codec | None = None,
+    ) -> None:
+        self.identity, self.spec, self.plan, self.store = identity, spec, plan, store
+        self.members, self.client, self.sync = membership, client, sync
+        self.codec = codec or get_codec(spec.codec)
+        self.outer = OuterOptimizer(spec.outer_lr, spec.outer_momentum)
+        self.settings = OwnerSettings(spec.quorum, spec.grace_gamma, spec.overlap, spec.grace_cap_s,
+                                      spec.max_staleness)
+        self.owners: dict[int, FragmentOwner] = {}
+        self.replica_momentum: dict[int, tuple[Version, torch.Tensor | None]] = {}
+        self.terms_seen = [0] * len(store)
+        self.outer_steps = [0] * len(store)
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.verifier = EnvelopeVerifier(spec.run_id, is_member=spec.is_member, kinds={DELTA, REPLICATE})
+        self._wake: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.enabled = False  # becomes True once the membership view has been read at least once
+        server.add_envelope_route(ROUTE_DELTA, self.verifier, self._on_delta, kinds={DELTA})
+        server.add_envelope_route(ROUTE_REPLICATE, self.verifier, self._on_replicate, kinds={REPLICATE})
+        sync.on_local_delta = self.accept_delta
+        membership.on_change.append(self.reassign)
+
+    # -- deltas ---------------------------------------------------------------------------------------------
+
+    def accept_delta(self, env: Envelope) -> None:
+        f = DeltaFields.parse(env.fields, len(self.store))
+        owner = self.owners.get(f.p)
+        if owner is None:
+            self.stats["deltas_refused_not_owner"] += 1
+            raise Unavailable(f"not the owner of fragment {f.p}; the owner is {self.members.roles(f.p)[0][:8]}")
+        pending = PendingDelta(peer_id_of(env.sender), f.base, f.steps, f.tokens, f.codec, bytes(env.payload))
+        try:
+            owner.offer(pending, self.store.label(f.p))
+        except ProtocolError as e:
+            self.stats[f"deltas_dropped_{type(e).__name__}"] += 1
+            raise
+        self.stats["deltas_accepted"] += 1
+        self._poke()
+
+    async def _on_delta(self, env: Envelope, request: web.Request) -> bytes:
+        self.accept_delta(env)
+        return b"ok"
+
+    # -- ownership ------------------------------------------------------------------------------------------
+
+    def reassign(self) -> None:
+        """Take or give up fragments after the live member set changed."""
+        if not self.enabled:
+            return
+        live = self.members.live_learners()
+        me = self.members.peer_id
+        for p in range(len(self.store)):
+            roles = self.members.roles(p)
+            if roles and roles[0] == me and p not in self.owners:
+                self._acquire(p, live)
+            elif (not roles or roles[0] != me) and p in self.owners:
+                self._release(p, roles[0] if roles else None)
+            if p in self.owners:
+                self.owners[p].tracker.set_expected(live)
+        self._poke()
+
+    def _acquire(self, p: int, live: set[str]) -> None:
+        label = self.store.label(p)
+        kept = self.replica_momentum.pop(p, None)
+        momentum = kept[1] if kept is not None and kept[0] == label else None
+        term = 0 if label == GENESIS else max(label.term, self.terms_seen[p]) + 1
+        frag = self.plan.fragments[p]
+        self.owners[p] = FragmentOwner(p, frag.numel, frag.embedding_numel, self.codec, self.outer, self.settings,
+                                       term, momentum, live)
+        if label != GENESIS:
+            self.stats["takeovers"] += 1
+            if momentum is None:
+                self.stats["takeovers_without_momentum"] += 1
+        log.info("now owner of fragment %d at %s (term %d, momentum %s)", p, label, term,
+                 "kept" if momentum is not None else "fresh")
+
+    def _release(self, p: int, new_owner: str | None) -> None:
+        owner = self.owners.pop(p)
+        self.stats["deltas_dropped_on_handoff"] += len(owner.pending)
+        log.info("no longer owner of fragment %d (new owner %s)", p, (new_owner or "none")[:8])
+        if new_owner is not None and owner.momentum is not None and self.store.label(p) != GENESIS:
+            self._spawn(self._send_full(p, new_owner, owner.term, owner.momentum))
+
+    # -- the outer step -------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._wake = asyncio.Event()
+        while True:
+            deadlines = [d for o in self.owners.values() if (d := o.deadline()) is not None]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            self._observe_step_time()
+            for p, owner in list(self.owners.items()):
+                if owner.ready():
+                    try:
+                        await self._step(p, owner)
+                    except Exception:  # one fragment's failure must not stop the others
+                        log.exception("outer step of fragment %d failed", p)
+                        self.stats["outer_step_failures"] += 1
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _observe_step_time(self) -> None:
+        times = sorted(m.record.step_time_s for m in self.members.live() if m.record.step_time_s > 0)
+        if times:
+            for owner in self.owners.values():
+                owner.tracker.observe_step_time(times[len(times) // 2])
+
+    async def _step(self, p: int, owner: FragmentOwner) -> None:
+        t0 = time.monotonic()
+        anchor, label, _ = self.store.snapshot(p)
+        pub = await asyncio.to_thread(owner.step, anchor, label)
+        digest = anchor_digest(anchor.add_(pub.update))  # Θ^(new), computed exactly as every holder will
+        fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta).to_fields()
+        env = seal(self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
+        frame = env.to_bytes()
+        replicated = await self._replicate(p, owner, env, anchor, pub.new)
+        if self.owners.get(p) is not owner:
+            self.stats["publications_abandoned"] += 1  # lost ownership meanwhile; the new owner carries on
+            return
+        self.store.advance(p, pub.base, pub.new, pub.update, frame, env.prefix())
+        self.outer_steps[p] += 1
+        self.stats["outer_steps"] += 1
+        await self._push(env, exclude=replicated | {self.members.peer_id})
+        owner.tracker.observe_sync_time(time.monotonic() - t0)
+        self._spawn(self.members.dht.store(frag_key(self.spec.run_id, p), FragRecord(pub.new).encode(),
+                                           time.time() + FRAG_RECORD_TTL_S, subkey=self.members.peer_id))
+
+    async def _push(self, env: Envelope, exclude: set[str]) -> None:
+        """Send the update to every live learner that accepts connections, a few at a time."""
+        gate = asyncio.Semaphore(PUSH_CONCURRENCY)
+
+        async def one(member) -> None:
+            async with gate:
+                try:
+                    await self.client.send_envelope(member.url, ROUTE_UPDATE, env)
+                except RemoteError as e:
+                    self.stats[f"push_refused_{e.status}"] += 1
+                except TransportError:
+                    self.members.suspect(member.peer_id)
+                    self.stats["push_failed"] += 1
+
+        await asyncio.gather(*(one(m) for m in self.members.live()
+                               if m.peer_id not in exclude and not m.client_mode and m.url))
+
+    # -- replication ----------------------------------------------------------------------------------------
+
+    async def _replicate(self, p: int, owner: FragmentOwner, update: Envelope, anchor: torch.Tensor,
+                         label: Version) -> set[str]:
+        """Hand the new state to the replicas before publishing; returns those that acknowledged."""
+        replicas = [r for r in self.members.roles(p)[1:] if r != self.members.peer_id]
+        if not replicas:
+            self.stats["published_without_live_replica"] += 1
+            return set()
+        frame = update.to_bytes()
+        mmeta, mbytes = self.codec.encode(owner.momentum) if owner.momentum is not None else (None, b"")
+        fields = ReplicateFields(p, owner.term, label, False, len(frame), mmeta).to_fields()
+
+        async def one(peer: str) -> str | None:
+            url = self.members.url(peer)
+            if url is None:
+                return None
+            try:
+                env = seal(self.identity, REPLICATE, self.spec.run_id, fields, frame + mbytes)
+                await self.client.send_envelope(url, ROUTE_REPLICATE, env)
+                return peer
+            except RemoteError as e:
+                if e.status == 409 and owner.momentum is not None:  # the replica is behind: send it everything
+                    full = await self._send_full(p, peer, owner.term, owner.momentum, update.prefix(), anchor)
+                    return peer if full else None
+                self.stats[f"replicate_refused_{e.status}"] += 1
+            except TransportError:
+                self.members.suspect(peer)
+            return None
+
+        acked = {r for r in await asyncio.gather(*(one(r) for r in replicas)) if r is not None}
+        if not acked:
+            self.stats["published_without_live_replica"] += 1
+        return acked
+
+    async def _send_full(self, p: int, peer: str, term: int, momentum: torch.Tensor, cert: bytes | None = None,
+                         anchor: torch.Tensor | None = None) -> bool:
+        """Full state to `peer`: the certificate of the version, the fp32 anchor and the fp32 momentum."""
+        if anchor is None or cert is None:
+            anchor, _, cert = self.store.snapshot(p)
+        url = self.members.url(peer)
+        if url is None or not cert:
+            return False
+        label = UpdateFields.parse(self.sync.verifier.certificate(cert).fields, len(self.store)).new
+        fields = ReplicateFields(p, term, label, True, len(cert), None).to_fields()
+        payload = cert + anchor.numpy().tobytes() + momentum.contiguous().numpy().tobytes()
+        try:
+            await self.client.send_envelope(url, ROUTE_REPLICATE,
+                                            seal(self.identity, REPLICATE, self.spec.run_id, fields, payload))
+            self.stats["full_replications"] += 1
+            return True
+        except (TransportError, ProtocolError) as e:
+            log.info("full replication of fragment %d to %s failed: %s", p, peer[:8], e)
+            return False
+
+    async def _on_replicate(self, env: Envelope, request: web.Request) -> bytes:
+        f = ReplicateFields.parse(env.fields, len(self.store))
+        payload = memoryview(env.payload)
+        numel = self.store.numel(f.p)
+        self.terms_seen[f.p] = max(self.terms_seen[f.p], f.term)
+        head, rest = payload[: f.update_len], payload[f.update_len :]
+        if not f.full:
+            update = self.sync.verifier.open(bytes(head), fresh=False)
+            try:
+                self.sync.apply_update(update)
+            except StaleVersion as e:
+                raise StaleVersion(f"replica is behind ({e}); send the full state") from None
+            momentum = self.codec.decode(f.momentum, rest, max_elements=numel) if f.momentum else None
+        else:
+            if len(rest) != 8 * numel:
+                raise Malformed(f"full replication of fragment {f.p} must carry {8 * numel} bytes of state")
+            cert = self.sync.verifier.certificate(bytes(head))
+            uf = UpdateFields.parse(cert.fields, len(self.store))
+            anchor = torch.frombuffer(rest[: 4 * numel], dtype=torch.float32)
+            if uf.p != f.p or uf.new != f.label or anchor_digest(anchor) != uf.digest:
+                raise Malformed("full replication does not match its certificate")
+            if f.label > self.store.label(f.p):
+                self.store.install(f.p, anchor, f.label, bytes(head))
+            momentum = torch.frombuffer(rest[4 * numel :], dtype=torch.float32).clone()
+        if momentum is not None and not bool(torch.isfinite(momentum).all()):
+            raise Malformed("replicated momentum holds non-finite values")
+        self.replica_momentum[f.p] = (f.label, momentum)
+        self.stats["replications_received"] += 1
+        return b"ok"
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+

@@ -1,0 +1,277 @@
+"""Keeping anchors current, the holder's side: receive updates, serve versions, fetch what is missing, and
+send this learner's deltas to the owners (DESIGN §6 "Receive", "Join / rejoin"; §7 "Publish").
+
+Every version that reaches the store is checked against the owner's certificate: an update must land on the
+bytes the owner certified (`digest`), a downloaded fragment must hash to it. Updates and certificates are
+relayed records (`fresh=False`): applying one twice is a no-op, so they may come from any holder at any age.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+from collections.abc import Callable
+
+import torch
+from aiohttp import web
+
+from diloco.protocol import canonical
+from diloco.protocol.codecs import Codec, ErrorFeedback
+from diloco.protocol.envelope import Envelope, EnvelopeVerifier, seal
+from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
+from diloco.protocol.identity import Identity, peer_id_of
+from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
+
+from .fragments import DigestMismatch, FragmentStore, anchor_digest
+from .membership import Membership
+from .runspec import RunSpec
+from .version import Version
+from .wire import (
+    DELTA,
+    ROUTE_DELTA,
+    ROUTE_FRAGMENT,
+    ROUTE_UPDATE,
+    ROUTE_UPDATES,
+    UPDATE,
+    DeltaFields,
+    FragRecord,
+    UpdateFields,
+    frag_key,
+    pack_fragment,
+    unpack_fragment,
+)
+
+log = logging.getLogger(__name__)
+
+
+class FragmentSync:
+    """Anchors in, deltas out. One per peer; `server` is None for a client-mode learner."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        spec: RunSpec,
+        store: FragmentStore,
+        membership: Membership,
+        client: PeerClient,
+        server: PeerServer | None,
+        codec: Codec,
+    ) -> None:
+        self.identity, self.spec, self.store, self.members, self.client = identity, spec, store, membership, client
+        self.codec = codec
+        self.P = len(store)
+        self.verifier = EnvelopeVerifier(spec.run_id, is_member=spec.is_member, kinds={UPDATE})
+        self.feedback = ErrorFeedback(codec) if spec.error_feedback else None
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.versions_accepted = 0
+        self.regressions = 0
+        self._catching_up: dict[int, asyncio.Task] = {}
+        # Set by the shard: a delta for a fragment this peer owns is handed over without the network.
+        self.on_local_delta: Callable[[Envelope], None] | None = None
+        if server is not None:
+            server.add_envelope_route(ROUTE_UPDATE, self.verifier, self._on_update, kinds={UPDATE}, fresh=False)
+            server.add_route("GET", ROUTE_FRAGMENT, self._serve_fragment)
+            server.add_route("GET", ROUTE_UPDATES, self._serve_updates)
+
+    # -- receiving ------------------------------------------------------------------------------------------
+
+    def apply_update(self, env: Envelope) -> bool:
+        """Apply a verified update envelope; True if it moved the anchor. Raises `StaleVersion` when the
+        update is for a base we do not hold (the caller fetches the gap) and `DigestMismatch` on divergence."""
+        f = UpdateFields.parse(env.fields, self.P)
+        held = self.store.label(f.p)
+        if not f.new > held:
+            self.stats["updates_already_held"] += 1
+            return False
+        if f.base != held:
+            raise StaleVersion(f"fragment {f.p} is at {held}; this update applies to {f.base}")
+        update = self.codec.decode(f.codec, env.payload, max_elements=self.store.numel(f.p)).reshape(-1)
+        if update.numel() != self.store.numel(f.p) or not bool(torch.isfinite(update).all()):
+            raise Malformed(f"update for fragment {f.p} has the wrong size or non-finite values")
+        self.store.advance(f.p, f.base, f.new, update, env.to_bytes(), env.prefix(), expect_digest=f.digest)
+        self.versions_accepted += 1
+        return True
+
+    async def _on_update(self, env: Envelope, request: web.Request) -> bytes:
+        try:
+            self.apply_update(env)
+        except (StaleVersion, DigestMismatch) as e:
+            f = UpdateFields.parse(env.fields, self.P)
+            self.stats["updates_out_of_order"] += 1
+            self.catch_up(f.p, [peer_id_of(env.sender)])
+            raise StaleVersion(f"{e}; fetching the missing versions") from None
+        return b"ok"
+
+    # -- serving --------------------------------------------------------------------------------------------
+
+    def _fragment_index(self, request: web.Request) -> int:
+        raw = request.match_info["p"]
+        if not raw.isdigit() or int(raw) >= self.P:
+            raise Malformed(f"no fragment {raw!r} in a plan of {self.P}")
+        return int(raw)
+
+    async def _serve_fragment(self, request: web.Request) -> web.StreamResponse:
+        """GET /v1/fragment/{p}: the certified anchor. 404 while we hold only the genesis version."""
+        p = self._fragment_index(request)
+        anchor, label, cert = self.store.snapshot(p)
+        if not cert:
+            return web.Response(status=404, text=f"fragment {p} is at genesis {label}; build it from the seed\n")
+        head, data = pack_fragment(cert, anchor.numpy().data.cast("B"))
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = len(head) + len(data)
+        await resp.prepare(request)
+        await resp.write(head)
+        for i in range(0, len(data), 1 << 20):
+            await resp.write(data[i : i + (1 << 20)])
+        await resp.write_eof()
+        return resp
+
+    async def _serve_updates(self, request: web.Request) -> web.Response:
+        """GET /v1/updates/{p}?after=T.V: the kept update frames from that version on (404 if not all kept)."""
+        p = self._fragment_index(request)
+        try:
+            term, version = (int(x) for x in request.query.get("after", "").split("."))
+            after = Version(term, version)
+        except ValueError:
+            raise Malformed("query 'after' must be TERM.VERSION") from None
+        frames = self.store.updates_after(p, after)
+        if frames is None:
+            return web.Response(status=404, text=f"updates after {after} of fragment {p} are no longer kept\n")
+        return web.Response(body=canonical.packb(frames), content_type="application/octet-stream")
+
+    # -- fetching -------------------------------------------------------------------------------------------
+
+    def catch_up(self, p: int, sources: list[str]) -> asyncio.Task:
+        """Fetch the versions of fragment p we miss, in the background (one task per fragment at a time)."""
+        task = self._catching_up.get(p)
+        if task is None or task.done():
+            task = asyncio.get_running_loop().create_task(self._catch_up(p, sources))
+            self._catching_up[p] = task
+        return task
+
+    async def _catch_up(self, p: int, sources: list[str]) -> bool:
+        holders = [s for s in dict.fromkeys([*sources, *self.members.roles(p)]) if s != self.members.peer_id]
+        for peer in holders:
+            url = self.members.url(peer)
+            if url is None:
+                continue
+            try:
+                if await self._fetch_updates(p, url) or await self.fetch_fragment(p, url):
+                    return True
+            except (TransportError, ProtocolError) as e:
+                log.info("catching up fragment %d from %s failed: %s", p, peer[:8], e)
+                if isinstance(e, TransportError) and not isinstance(e, RemoteError):
+                    self.members.suspect(peer)
+        return False
+
+    async def _fetch_updates(self, p: int, url: str) -> bool:
+        at = self.store.label(p)
+        try:
+            body = await self.client.request("GET", url, f"/v1/updates/{p}?after={at}", idempotent=True)
+        except RemoteError as e:
+            if e.status == 404:
+                return False
+            raise
+        frames = canonical.unpackb(body, max_len=1 << 31, strict=False)
+        if not isinstance(frames, list) or not all(isinstance(f, bytes) for f in frames):
+            raise Malformed("updates answer must be a list of frames")
+        for frame in frames:
+            self.apply_update(self.verifier.open(frame, fresh=False))
+        self.stats["caught_up_by_updates"] += 1
+        return True
+
+    async def fetch_fragment(self, p: int, url: str) -> bool:
+        """Download Θ_p whole from `url`, check it against its certificate, install it if newer."""
+        try:
+            body = await self.client.request("GET", url, f"/v1/fragment/{p}", idempotent=True,
+                                             max_response=self.store.numel(p) * 4 + 70_000)
+        except RemoteError as e:
+            if e.status == 404:
+                return False
+            raise
+        cert_bytes, data = unpack_fragment(body)
+        f = UpdateFields.parse(self.verifier.certificate(cert_bytes).fields, self.P)
+        if f.p != p or len(data) != self.store.numel(p) * 4:
+            raise Malformed(f"fragment download does not match fragment {p}")
+        anchor = torch.frombuffer(data, dtype=torch.float32)
+        if anchor_digest(anchor) != f.digest:
+            raise DigestMismatch(f"downloaded fragment {p} does not match its certificate")
+        if f.new > self.store.label(p):
+            self.store.install(p, anchor, f.new, cert_bytes)
+            self.stats["full_downloads"] += 1
+        return True
+
+    async def newest_versions(self) -> list[Version | None]:
+        """Per fragment, the newest version its owners announced in the DHT (None if none did)."""
+        async def one(p: int) -> Version | None:
+            raw = await self.members.dht.get(frag_key(self.spec.run_id, p), latest=True)
+            versions = []
+            for value, _ in (raw or {}).values() if isinstance(raw, dict) else []:
+                try:
+                    versions.append(FragRecord.decode(value).version)
+                except ProtocolError:
+                    continue
+            return max(versions, default=None)
+
+        return list(await asyncio.gather(*(one(p) for p in range(self.P))))
+
+    async def sync_all(self) -> list[int]:
+        """Bring every fragment to the newest announced version, downloading them in parallel from different
+        holders. Returns the fragments still behind (empty when fully synced)."""
+        newest = await self.newest_versions()
+        behind = [p for p, v in enumerate(newest) if v is not None and v > self.store.label(p)]
+        live = [m.peer_id for m in self.members.live() if m.peer_id != self.members.peer_id and not m.client_mode]
+        random.shuffle(live)
+
+        async def one(i: int, p: int) -> None:
+            order = [*live[i % max(len(live), 1):], *live[: i % max(len(live), 1)]]
+            await self._catch_up(p, order)
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(behind)))
+        return [p for p, v in enumerate(newest) if v is not None and v > self.store.label(p)]
+
+    # -- sending --------------------------------------------------------------------------------------------
+
+    async def send_delta(self, p: int, live_fragment: torch.Tensor, base: Version, steps: int, tokens: int) -> bool:
+        """Δ_p = Θ_p^(base) − θ[p] (plus the error-feedback residual), compressed, signed, sent to owner(p).
+
+        `live_fragment` is the learner's snapshot of θ[p] and is overwritten with Δ. A failed owner is
+        suspected and the delta goes to the next one. Returns whether an owner accepted it.
+        """
+        anchor, label, _ = self.store.snapshot(p)
+        if label != base:
+            self.stats["deltas_dropped_moved"] += 1  # the anchor moved since the snapshot; Δ would be wrong
+            return False
+        delta = anchor.sub_(live_fragment)
+        meta, payload = self.feedback.encode(str(p), delta) if self.feedback else self.codec.encode(delta)
+        fields = DeltaFields(p, base, steps, tokens, meta).to_fields()
+        for _ in range(1 + self.spec.replicas):
+            owner = self.members.roles(p)[0]
+            env = seal(self.identity, DELTA, self.spec.run_id, fields, payload)
+            try:
+                if owner == self.members.peer_id and self.on_local_delta is not None:
+                    self.on_local_delta(env)
+                else:
+                    url = self.members.url(owner)
+                    if url is None:
+                        raise TransportError(f"no address for owner {owner[:8]}")
+                    await self.client.send_envelope(url, ROUTE_DELTA, env)
+                self.stats["deltas_sent"] += 1
+                return True
+            except RemoteError as e:
+                self.stats[f"deltas_refused_{e.status}"] += 1
+                if e.status == 409:
+                    self.catch_up(p, [owner])
+                if e.status != 503:
+                    return False
+                self.members.suspect(owner)
+            except ProtocolError as e:
+                self.stats[f"deltas_refused_{e.status}"] += 1
+                return False
+            except TransportError as e:
+                log.info("owner %s of fragment %d unreachable: %s", owner[:8], p, e)
+                self.members.suspect(owner)
+        self.stats["deltas_lost_no_owner"] += 1
+        return False

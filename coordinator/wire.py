@@ -1,0 +1,204 @@
+"""The swarm's messages: deltas, updates, replication, fragment downloads and member records (DESIGN §6, §7).
+
+Each message is a signed envelope (`diloco.protocol.envelope`) whose `fields` are described here; this module
+turns those fields into typed values and refuses anything else with `Malformed`. Tensor payloads are codec
+bytes (`diloco.protocol.codecs`), decoded only by the codec, which checks its own metadata. docs/protocol.md
+§6 is the prose version of this file.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from diloco.protocol import canonical
+from diloco.protocol.envelope import register_kind
+from diloco.protocol.errors import Malformed
+
+from .version import Version
+
+DELTA, UPDATE, REPLICATE = "delta", "update", "replicate"
+MAX_TENSOR_PAYLOAD = 1 << 31  # 2 GiB: an fp32 fragment of 512M parameters
+for _kind in (DELTA, UPDATE, REPLICATE):
+    register_kind(_kind, MAX_TENSOR_PAYLOAD)
+
+ROUTE_DELTA = "/v1/delta"
+ROUTE_UPDATE = "/v1/update"
+ROUTE_REPLICATE = "/v1/replicate"
+ROUTE_FRAGMENT = "/v1/fragment/{p}"  # GET: u32 cert_len | cert | fp32 anchor
+ROUTE_UPDATES = "/v1/updates/{p}"  # GET ?after=T.V[&wait=S]: canonical list of update frames
+ROUTE_STATUS = "/v1/status"
+
+
+def _int(fields: dict[str, Any], name: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    v = fields.get(name)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise Malformed(f"field {name!r} must be an integer in [{lo}, {hi}]")
+    return v
+
+
+def _meta(fields: dict[str, Any], name: str) -> dict[str, Any]:
+    v = fields.get(name)
+    if not isinstance(v, dict):
+        raise Malformed(f"field {name!r} must be codec metadata (a map)")
+    return v
+
+
+def _exact(fields: dict[str, Any], names: set[str], kind: str) -> None:
+    if set(fields) != names:
+        raise Malformed(f"{kind} fields must be exactly {sorted(names)}, got {sorted(fields)}")
+
+
+@dataclass(frozen=True)
+class DeltaFields:
+    """Learner → owner: Δ_p = Θ_p^(base) − θ[p], computed over `steps` inner steps and `tokens` tokens."""
+
+    p: int
+    base: Version
+    steps: int
+    tokens: int
+    codec: dict[str, Any]
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"p": self.p, "base": self.base.to_wire(), "steps": self.steps, "tokens": self.tokens,
+                "codec": self.codec}
+
+    @classmethod
+    def parse(cls, f: dict[str, Any], P: int) -> DeltaFields:
+        _exact(f, {"p", "base", "steps", "tokens", "codec"}, DELTA)
+        return cls(_int(f, "p", 0, P - 1), Version.from_wire(f["base"]), _int(f, "steps", 1),
+                   _int(f, "tokens", 1), _meta(f, "codec"))
+
+
+@dataclass(frozen=True)
+class UpdateFields:
+    """Owner → learners: U = Θ_p^(new) − Θ_p^(base); `digest` is SHA-256 of Θ_p^(new)'s fp32 bytes.
+
+    The header of an update (its envelope prefix) is also the certificate of version `new`: any holder may
+    serve Θ_p^(new) with it, and the downloader checks the bytes against `digest`.
+    """
+
+    p: int
+    base: Version
+    new: Version
+    digest: bytes
+    codec: dict[str, Any]
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"p": self.p, "base": self.base.to_wire(), "new": self.new.to_wire(), "digest": self.digest,
+                "codec": self.codec}
+
+    @classmethod
+    def parse(cls, f: dict[str, Any], P: int) -> UpdateFields:
+        _exact(f, {"p", "base", "new", "digest", "codec"}, UPDATE)
+        digest = f["digest"]
+        if not isinstance(digest, bytes) or len(digest) != 32:
+            raise Malformed("update digest must be 32 bytes")
+        out = cls(_int(f, "p", 0, P - 1), Version.from_wire(f["base"]), Version.from_wire(f["new"]), digest,
+                  _meta(f, "codec"))
+        if not out.new > out.base:
+            raise Malformed(f"update to {out.new} does not move forward from {out.base}")
+        return out
+
+
+@dataclass(frozen=True)
+class ReplicateFields:
+    """Owner → replica, before publishing: the update frame (as learners will get it) and the momentum.
+
+    Payload: the update frame's bytes (`update_len` of them), then the momentum codec payload. With
+    `full`, the payload is instead the fp32 anchor followed by the fp32 momentum (a new replica's first copy),
+    and `update_len` is the anchor's byte length.
+    """
+
+    p: int
+    term: int
+    label: Version  # the version the replica holds once this is applied
+    full: bool
+    update_len: int
+    momentum: dict[str, Any] | None
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"p": self.p, "term": self.term, "label": self.label.to_wire(), "full": self.full,
+                "update_len": self.update_len, "momentum": self.momentum}
+
+    @classmethod
+    def parse(cls, f: dict[str, Any], P: int) -> ReplicateFields:
+        _exact(f, {"p", "term", "label", "full", "update_len", "momentum"}, REPLICATE)
+        if not isinstance(f["full"], bool):
+            raise Malformed("replicate 'full' must be a bool")
+        momentum = None if f["momentum"] is None else _meta(f, "momentum")
+        return cls(_int(f, "p", 0, P - 1), _int(f, "term"), Version.from_wire(f["label"]), f["full"],
+                   _int(f, "update_len"), momentum)
+
+
+def pack_fragment(cert: bytes, anchor_bytes: bytes | memoryview) -> list[bytes | memoryview]:
+    """Body of GET /v1/fragment/{p}: u32 big-endian cert length, the cert, the fp32 anchor bytes."""
+    return [struct.pack(">I", len(cert)) + cert, anchor_bytes]
+
+
+def unpack_fragment(body: bytes | bytearray | memoryview) -> tuple[bytes, memoryview]:
+    mv = memoryview(body)
+    if len(mv) < 4:
+        raise Malformed("fragment body shorter than its length prefix")
+    (n,) = struct.unpack(">I", mv[:4])
+    if n > 70_000 or len(mv) < 4 + n:
+        raise Malformed("fragment certificate length is wrong")
+    return bytes(mv[4 : 4 + n]), mv[4 + n :]
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """Value under `run:<id>:members`, subkey = the peer's PeerId (signed by it through the DHT record)."""
+
+    url: str
+    region: str
+    client_mode: bool
+    step: int
+    step_time_s: float
+    tokens_per_s: float
+    synced: bool
+
+    def encode(self) -> bytes:
+        return canonical.packb(self.__dict__)
+
+    @classmethod
+    def decode(cls, data: bytes) -> MemberRecord:
+        obj = canonical.unpackb(data, max_len=4096)
+        names = set(cls.__dataclass_fields__)
+        if not isinstance(obj, dict) or set(obj) != names:
+            raise Malformed("member record fields are wrong")
+        if not isinstance(obj["url"], str) or not isinstance(obj["region"], str):
+            raise Malformed("member record url/region must be strings")
+        if not isinstance(obj["client_mode"], bool) or not isinstance(obj["synced"], bool):
+            raise Malformed("member record flags must be bools")
+        for name in ("step_time_s", "tokens_per_s"):
+            if not isinstance(obj[name], int | float) or isinstance(obj[name], bool):
+                raise Malformed(f"member record {name} must be a number")
+        _int(obj, "step")
+        return cls(**obj)
+
+
+@dataclass(frozen=True)
+class FragRecord:
+    """Value under `run:<id>:frag:<p>`, subkey = the owner's PeerId: the newest version it published."""
+
+    version: Version
+
+    def encode(self) -> bytes:
+        return canonical.packb({"version": self.version.to_wire()})
+
+    @classmethod
+    def decode(cls, data: bytes) -> FragRecord:
+        obj = canonical.unpackb(data, max_len=1024)
+        if not isinstance(obj, dict) or set(obj) != {"version"}:
+            raise Malformed("frag record must be {version}")
+        return cls(Version.from_wire(obj["version"]))
+
+
+def members_key(run_id: bytes) -> str:
+    return f"run:{run_id.hex()}:members"
+
+
+def frag_key(run_id: bytes, p: int) -> str:
+    return f"run:{run_id.hex()}:frag:{p}"

@@ -1,0 +1,196 @@
+"""The Python API: wrap your own training loop, keep its shape (DESIGN §6).
+
+    learner = Learner(model, optimizer, Genesis.load("run.spec"), config=SwarmConfig(peers=[...]))
+    learner.start()                          # joins, downloads the newest fragments into `model`
+    for x, y in data:
+        loss = model(x, y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+        learner.step(tokens=x.numel(), loss=loss.item())
+    learner.close()
+
+`step` never waits on the network: it copies newly published fragments into the model (at this step
+boundary, under the store's lock), hands due fragments to the background loop, and returns. Fragment p is due
+at inner steps t ≡ ⌊p·H/P⌋ (mod H).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from diloco.coordinator.fragments import anchor_digest
+from diloco.coordinator.plan import FragmentPlan
+from diloco.coordinator.runspec import Genesis, RunSpec
+from diloco.coordinator.version import GENESIS, Version
+from diloco.protocol.identity import Identity
+
+from .checkpoint import capture, load_latest, restore, save_checkpoint
+from .swarm import JoinError, Swarm, SwarmConfig
+
+log = logging.getLogger(__name__)
+
+
+class RunMismatch(JoinError):
+    """The local model does not match the run (different fragment plan or initial parameters)."""
+
+
+def genesis_digest(plan: FragmentPlan, model: torch.nn.Module) -> bytes:
+    """One digest of Θ^(0): every fragment's fp32 bytes, in order. Put in the RunSpec by `init-run`."""
+    import hashlib
+
+    params = dict(model.named_parameters())
+    h = hashlib.sha256()
+    for p in range(len(plan.fragments)):
+        h.update(anchor_digest(plan.flatten(p, params)))
+    return h.digest()
+
+
+class Learner:
+    """One learner of a Decoupled DiLoCo run."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        run: Genesis | RunSpec,
+        *,
+        identity: Identity | None = None,
+        config: SwarmConfig | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int = 0,
+    ) -> None:
+        self.spec = run.spec if isinstance(run, Genesis) else run
+        self.model, self.optimizer = model, optimizer
+        self.identity = identity or Identity.generate()
+        self.config = config or SwarmConfig()
+        self.plan = FragmentPlan.from_module(model, self.spec.fragments)
+        if self.spec.plan_digest and self.plan.digest() != self.spec.plan_digest:
+            raise RunMismatch("this model's fragment plan differs from the run's: a different model or code "
+                              "version than the run's creator used")
+        self.params = dict(model.named_parameters())
+        H, P = self.spec.inner_steps, self.spec.fragments
+        self.offsets = [(p * H) // P for p in range(P)]
+        self.t = 0
+        self.tokens = 0
+        self.c_steps = [0] * P
+        self.c_tokens = [0] * P
+        self.sent_steps = 0  # inner steps handed to owners inside deltas
+        self.overwritten_steps = 0  # local steps discarded when a new version arrived first
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.checkpoint_every = checkpoint_every
+        self._saving: threading.Thread | None = None
+        self._last_step_at: float | None = None
+        self.swarm: Swarm | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def start(self) -> Learner:
+        """Load the local checkpoint if any, join the run, bring every fragment to its newest version."""
+        labels: list[Version] = [GENESIS] * self.spec.fragments
+        certs: list[bytes] = [b""] * self.spec.fragments
+        ckpt = load_latest(self.checkpoint_dir) if self.checkpoint_dir else None
+        if ckpt is not None and ckpt.meta.get("run_id") == self.spec.run_id.hex():
+            restore(ckpt, self.model, self.optimizer)
+            self.t = ckpt.step
+            anchors = [ckpt.anchors[p] for p in range(self.spec.fragments)]
+            labels = [Version(*ckpt.labels[p]) for p in range(self.spec.fragments)]
+            certs = [ckpt.certs.get(p, b"") for p in range(self.spec.fragments)]
+            log.info("resumed from checkpoint at step %d", self.t)
+        else:
+            anchors = [self.plan.flatten(p, self.params) for p in range(self.spec.fragments)]
+            if self.spec.genesis_digest and genesis_digest(self.plan, self.model) != self.spec.genesis_digest:
+                raise RunMismatch("this model's initial parameters differ from the run's; build it with the "
+                                  f"run's seed ({self.spec.seed}) and task ({self.spec.task})")
+        self.swarm = Swarm(self.identity, self.spec, self.plan, anchors, self.config, labels, certs)
+        self.swarm.start()
+        self._apply_new_versions()
+        return self
+
+    def close(self) -> None:
+        if self.checkpoint_dir is not None and self.swarm is not None:
+            self.save_checkpoint(wait=True)
+        if self.swarm is not None:
+            self.swarm.stop()
+
+    def __enter__(self) -> Learner:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the training-loop hook -----------------------------------------------------------------------------
+
+    def step(self, tokens: int, loss: float | None = None) -> None:
+        """Call once after every inner `optimizer.step()`. Never blocks on the network."""
+        if self.swarm is None:
+            raise RuntimeError("call Learner.start() before step()")
+        now = time.monotonic()
+        self.t += 1
+        self.tokens += tokens
+        for p in range(self.spec.fragments):
+            self.c_steps[p] += 1
+            self.c_tokens[p] += tokens
+        self._apply_new_versions()
+        H = self.spec.inner_steps
+        for p, offset in enumerate(self.offsets):
+            if self.t % H == offset and self.c_steps[p] > 0:
+                snapshot = self.plan.flatten(p, self.params)
+                self.swarm.submit_delta(p, snapshot, self.swarm.store.label(p), self.c_steps[p], self.c_tokens[p])
+                self.sent_steps += self.c_steps[p]
+                self.c_steps[p] = self.c_tokens[p] = 0
+        pr = self.swarm.progress
+        if self._last_step_at is not None:
+            dt = now - self._last_step_at
+            pr.step_time_s = dt if pr.step_time_s == 0 else 0.9 * pr.step_time_s + 0.1 * dt
+            pr.tokens_per_s = tokens / pr.step_time_s if pr.step_time_s > 0 else 0.0
+        self._last_step_at = now
+        pr.step, pr.tokens = self.t, self.tokens
+        if loss is not None:
+            pr.loss = float(loss)
+        if self.checkpoint_every and self.t % self.checkpoint_every == 0:
+            self.save_checkpoint()
+
+    def _apply_new_versions(self) -> None:
+        """Overwrite θ[p] with every anchor that moved (α = 0, as Decoupled DiLoCo); local steps since the
+        last send of p are discarded and its counters restart."""
+        store = self.swarm.store
+        for p in sorted(store.take_dirty()):
+            with store.lock:
+                self.plan.unflatten_into(p, store.held[p].anchor, self.params)
+            self.overwritten_steps += self.c_steps[p]
+            self.c_steps[p] = self.c_tokens[p] = 0
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, wait: bool = False) -> None:
+        """Capture now (at this step boundary), write in a background thread; skipped if one is still writing."""
+        if self.checkpoint_dir is None or self.swarm is None:
+            return
+        if self._saving is not None and self._saving.is_alive():
+            if not wait:
+                return
+            self._saving.join()
+        store = self.swarm.store
+        with store.lock:
+            anchors = {p: h.anchor.clone() for p, h in enumerate(store.held)}
+            labels = {p: (h.label.term, h.label.version) for p, h in enumerate(store.held)}
+            certs = {p: h.cert for p, h in enumerate(store.held)}
+        ckpt = capture(self.model, self.optimizer, step=self.t, anchors=anchors, labels=labels, certs=certs,
+                       meta={"run_id": self.spec.run_id.hex(), "peer_id": self.identity.peer_id,
+                             "wall_time": time.time()})
+        self._saving = threading.Thread(target=save_checkpoint, args=(self.checkpoint_dir, ckpt), daemon=True)
+        self._saving.start()
+        if wait:
+            self._saving.join()
+
+    # -- views ----------------------------------------------------------------------------------------------
+
+    @property
+    def labels(self) -> list[Version]:
+        return self.swarm.store.labels() if self.swarm else []
+
+    def status(self) -> dict:
+        return self.swarm.status() if self.swarm else {}

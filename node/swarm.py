@@ -1,0 +1,297 @@
+"""The learner's background half: one thread, one asyncio loop, all the I/O (DESIGN §6).
+
+It starts the peer's HTTP server, its DHT node, the membership view, the fragment sync and (unless in client
+mode) the syncer shard; joins the run; downloads every fragment that is newer than what the learner holds;
+then sends the deltas the training thread hands it and keeps the anchors current. The training thread talks
+to it only through `submit_delta` and the `FragmentStore`, and never waits on the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import torch
+from aiohttp import web
+
+from diloco.coordinator.fragments import FragmentStore
+from diloco.coordinator.membership import Membership
+from diloco.coordinator.plan import FragmentPlan
+from diloco.coordinator.runspec import RunSpec
+from diloco.coordinator.shard import Shard
+from diloco.coordinator.sync import FragmentSync
+from diloco.coordinator.version import Version
+from diloco.coordinator.wire import ROUTE_STATUS, MemberRecord
+from diloco.protocol.codecs import get_codec
+from diloco.protocol.dht.node import BootstrapFailed, DHTNode
+from diloco.protocol.identity import Identity
+from diloco.protocol.transport import PeerClient, PeerServer, TransportError
+
+log = logging.getLogger(__name__)
+ROUTE_REACH = "/v1/reach"
+
+
+class JoinError(Exception):
+    """The swarm could not be joined; the message says why and what to try."""
+
+
+@dataclass
+class SwarmConfig:
+    """Where this peer listens and whom it contacts. Timings suit WAN runs; tests shorten them."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce: str | None = None
+    peers: list[str] = field(default_factory=list)
+    client_mode: bool | None = None  # None: detect (a peer tries to reach us)
+    region: str = ""
+    member_ttl_s: float = 30.0
+    member_refresh_s: float = 10.0
+    member_poll_s: float = 2.0
+    watch_s: float = 5.0  # how often to compare our versions with the DHT's
+    join_timeout_s: float = 300.0
+
+
+@dataclass
+class Progress:
+    """What the training thread reports, read by the loop for member records and status."""
+
+    step: int = 0
+    tokens: int = 0
+    loss: float | None = None
+    step_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    synced: bool = False
+
+
+class Swarm:
+    def __init__(self, identity: Identity, spec: RunSpec, plan: FragmentPlan, anchors: list[torch.Tensor],
+                 config: SwarmConfig, labels: list[Version] | None = None, certs: list[bytes] | None = None) -> None:
+        self.identity, self.spec, self.plan, self.config = identity, spec, plan, config
+        self.store = FragmentStore(anchors)
+        for p, (label, cert) in enumerate(zip(labels or [], certs or [], strict=False)):
+            self.store.held[p].label, self.store.held[p].cert = label, cert
+        self.progress = Progress()
+        self.codec = get_codec(spec.codec)
+        self.client_mode = bool(config.client_mode)
+        self.url = ""
+        self.extra_status: list[Callable[[], dict[str, Any]]] = []
+        self.extra_routes: list[Callable[[PeerServer], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stopping: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.server: PeerServer | None = None
+        self.client: PeerClient | None = None
+        self.dht: DHTNode | None = None
+        self.members: Membership | None = None
+        self.sync: FragmentSync | None = None
+        self.shard: Shard | None = None
+
+    # -- training-thread API --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Join the run and sync every fragment; returns once training may begin. Raises `JoinError`."""
+        self._thread = threading.Thread(target=self._thread_main, name="diloco-swarm", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(self.config.join_timeout_s + 30):
+            raise JoinError(f"joining took longer than {self.config.join_timeout_s:.0f}s")
+        if self._error is not None:
+            raise self._error
+
+    def submit_delta(self, p: int, live_fragment: torch.Tensor, base: Version, steps: int, tokens: int) -> None:
+        """Hand a snapshot of θ[p] to the loop, which computes, compresses, signs and sends Δ_p. Never blocks."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(self._spawn, self.sync.send_delta(p, live_fragment, base, steps, tokens))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._loop is not None and self._stopping is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._stopping.set)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the loop -------------------------------------------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # surfaced to the training thread by start()
+            if not self._ready.is_set():
+                self._error = e if isinstance(e, JoinError) else JoinError(f"{type(e).__name__}: {e}")
+                self._ready.set()
+            else:
+                log.exception("swarm loop crashed")
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        self.client = PeerClient()
+        try:
+            await self._open_server()
+            await self._join()
+            self.progress.synced = True
+            self._ready.set()
+            for coro in (self.members.run(), self._watch(), *([self.shard.run()] if self.shard else [])):
+                self._spawn(coro)
+            await self._stopping.wait()
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self.dht is not None:
+                await self.dht.stop()
+            if self.server is not None:
+                await self.server.stop()
+            await self.client.close()
+
+    async def _open_server(self) -> None:
+        cfg = self.config
+        if cfg.client_mode:
+            self.client_mode = True
+        else:
+            self.server = PeerServer(cfg.host, cfg.port)
+        self.dht = DHTNode(self.identity, self.client, server=self.server, region=cfg.region)
+        self.members = Membership(self.dht, self.spec, self._member_record, ttl_s=cfg.member_ttl_s,
+                                  refresh_s=cfg.member_refresh_s, poll_s=cfg.member_poll_s)
+        self.sync = FragmentSync(self.identity, self.spec, self.store, self.members, self.client, self.server,
+                                 self.codec)
+        if self.server is not None:
+            self.shard = Shard(self.identity, self.spec, self.plan, self.store, self.members, self.client,
+                               self.server, self.sync, self.codec)
+            self.server.add_route("GET", ROUTE_STATUS, self._serve_status)
+            self.server.add_route("GET", ROUTE_REACH, self._serve_reach)
+            for hook in self.extra_routes:
+                hook(self.server)
+            try:
+                await self.server.start()
+            except OSError as e:
+                raise JoinError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
+            self.url = cfg.announce or self.server.url
+            self.dht.announce(self.url)
+
+    async def _join(self) -> None:
+        cfg = self.config
+        if cfg.peers:
+            try:
+                await self.dht.bootstrap(cfg.peers)
+            except BootstrapFailed as e:
+                raise JoinError(f"{e}; check --peers") from None
+        if cfg.client_mode is None and cfg.peers and self.server is not None and not await self._reachable():
+            raise JoinError(f"other peers cannot reach {self.url}; pass --announce with a reachable address, "
+                            "or --client-mode to train without accepting connections")
+        await self.members.publish()
+        await self.members.poll()
+        if self.shard is not None:
+            self.shard.enabled = True
+            self.shard.reassign()
+        deadline = time.monotonic() + cfg.join_timeout_s
+        while True:
+            behind = await self.sync.sync_all()
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise JoinError(f"could not download fragments {behind} within {cfg.join_timeout_s:.0f}s")
+            await asyncio.sleep(1.0)
+            await self.members.poll()
+
+    async def _reachable(self) -> bool:
+        """Ask a bootstrap peer to open a connection to our announced URL (GET /v1/reach)."""
+        for peer in self.config.peers:
+            with contextlib.suppress(TransportError):
+                body = await self.client.request("GET", peer, f"{ROUTE_REACH}?url={quote(self.url, safe='')}",
+                                                 deadline_s=10.0)
+                return body.strip() == b"reachable"
+        return True  # no peer answered the question: assume the announced address works
+
+    async def _serve_reach(self, request: web.Request) -> web.Response:
+        """GET /v1/reach?url=U: try GET U/v1/status within 3 s and say whether it answered."""
+        url = request.query.get("url", "")
+        if not url.startswith(("http://", "https://")) or len(url) > 256 or "?" in url or "#" in url:
+            return web.Response(status=400, text="url must be http(s)://host:port\n")
+        try:
+            await self.client.request("GET", url.rstrip("/"), ROUTE_STATUS, deadline_s=3.0, max_response=1 << 20)
+            return web.Response(text="reachable\n")
+        except TransportError:
+            return web.Response(text="unreachable\n")
+
+    async def _watch(self) -> None:
+        """Catch up on versions we missed: from the DHT's frag records, or by polling owners (client mode)."""
+        while True:
+            await asyncio.sleep(1.0 if self.client_mode else self.config.watch_s)
+            with contextlib.suppress(TransportError, Exception):
+                newest = await self.sync.newest_versions()
+                for p, v in enumerate(newest):
+                    if v is not None and v > self.store.label(p):
+                        self.sync.catch_up(p, self.members.roles(p))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- records and status ---------------------------------------------------------------------------------
+
+    def _member_record(self) -> MemberRecord:
+        pr = self.progress
+        return MemberRecord(self.url, self.config.region, self.client_mode, pr.step, pr.step_time_s,
+                            pr.tokens_per_s, pr.synced)
+
+    def status(self) -> dict[str, Any]:
+        """The documented `/v1/status` object (docs/status.md)."""
+        pr = self.progress
+        members = self.members.live() if self.members else []
+        counters = {}
+        if self.server:
+            counters["served"] = {r: c.__dict__ for r, c in self.server.counters.served.items()}
+        if self.client:
+            counters["sent"] = {r: c.__dict__ for r, c in self.client.counters.sent.items()}
+        out = {
+            "peer_id": self.identity.peer_id,
+            "run_id": self.spec.run_id.hex(),
+            "run_name": self.spec.name,
+            "url": self.url,
+            "client_mode": self.client_mode,
+            "step": pr.step,
+            "tokens": pr.tokens,
+            "loss": pr.loss,
+            "step_time_s": pr.step_time_s,
+            "tokens_per_s": pr.tokens_per_s,
+            "synced": pr.synced,
+            "fragments": [
+                {"p": p, "version": str(self.store.label(p)), "roles": self.members.roles(p) if self.members else [],
+                 "outer_steps": self.shard.outer_steps[p] if self.shard else 0}
+                for p in range(len(self.store))
+            ],
+            "members": [{"peer_id": m.peer_id, "url": m.url, "step": m.record.step, "region": m.record.region,
+                         "client_mode": m.client_mode} for m in members],
+            "shard": dict(self.shard.stats) if self.shard else {},
+            "sync": dict(self.sync.stats) if self.sync else {},
+            "bytes": counters,
+            "bytes_total": self.bytes_total(),
+        }
+        for fn in self.extra_status:
+            out.update(fn())
+        return out
+
+    def bytes_total(self) -> dict[str, int]:
+        total = {"bytes_in": 0, "bytes_out": 0}
+        for counters in ([self.server.counters] if self.server else []) + ([self.client.counters] if self.client else []):
+            t = counters.totals()
+            total["bytes_in"] += t["bytes_in"]
+            total["bytes_out"] += t["bytes_out"]
+        return total
+
+    async def _serve_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status())

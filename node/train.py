@@ -1,0 +1,125 @@
+"""The built-in training loop behind `diloco-node join`: a task from the RunSpec, a Learner, progress lines.
+
+This is an ordinary user of the Python API (`Learner`), the same loop an example script would write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco.coordinator.plan import FragmentPlan
+from diloco.coordinator.runspec import Genesis, RunSpec
+from diloco.protocol.identity import Identity
+
+from .learner import Learner, genesis_digest
+from .swarm import SwarmConfig
+from .tasks import Task, evaluate, make_task
+
+
+def task_of(spec: RunSpec, data: str | None = None) -> Task:
+    """The run's task, optionally on the learner's own data (`--data file:PATH`), same model and seed."""
+    task = make_task(spec.task, seed=spec.seed, **spec.model)
+    if data is not None and data != spec.task:
+        own = make_task(data, seed=spec.seed, **spec.model)
+        if own.data.vocab_size != task.data.vocab_size:
+            raise ValueError(f"--data {data} has vocabulary {own.data.vocab_size}, the run's model {task.data.vocab_size}")
+        task.data = own.data
+    return task
+
+
+def new_run(creator: Identity, name: str, **fields: Any) -> Genesis:
+    """A signed RunSpec whose plan and genesis digests come from the task's model."""
+    spec = RunSpec(name, **fields)
+    model = task_of(spec).build_model()
+    plan = FragmentPlan.from_module(model, spec.fragments)
+    spec = dataclasses.replace(spec, plan_digest=plan.digest(), genesis_digest=genesis_digest(plan, model))
+    return Genesis.create(creator, spec)
+
+
+@dataclass
+class TrainOptions:
+    steps: int = 0  # 0: until interrupted
+    data: str | None = None
+    device: str = "cpu"
+    progress_every: int = 10
+    eval_every: int = 0
+    json: bool = False
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0
+    slowdown: float = 1.0  # straggler emulation: sleep (slowdown − 1) × step time after each step
+
+
+def emit(opts: TrainOptions, event: str, **fields: Any) -> None:
+    if opts.json:
+        print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
+    else:
+        body = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+        print(f"[{event}] {body}", flush=True)
+
+
+def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: TrainOptions) -> dict[str, Any]:
+    """Join the run and train until `opts.steps`; returns the summary it also emits."""
+    torch.set_num_threads(1)
+    spec = genesis.spec
+    task = task_of(spec, opts.data)
+    model = task.build_model().to(opts.device)
+    optimizer = task.optimizer(model)
+    learner = Learner(model, optimizer, genesis, identity=identity, config=config,
+                      checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every)
+    t0 = time.monotonic()
+    learner.start()
+    emit(opts, "joined", peer_id=identity.peer_id, url=learner.swarm.url, join_s=time.monotonic() - t0,
+         step=learner.t, versions=[str(v) for v in learner.labels])
+    shard = int.from_bytes(hashlib.sha256(identity.public_key).digest()[:4], "big")
+    batches = task.batches(learner=shard, seed=spec.seed + learner.t)
+    start, losses = time.monotonic(), []
+    try:
+        while not opts.steps or learner.t < opts.steps:
+            step_start = time.monotonic()
+            x, y = next(batches)
+            _, loss = model(x.to(opts.device), y.to(opts.device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            learner.step(tokens=x.numel(), loss=loss.item())
+            losses.append(loss.item())
+            if opts.slowdown > 1.0:
+                time.sleep((opts.slowdown - 1.0) * (time.monotonic() - step_start))
+            if learner.t % opts.progress_every == 0:
+                st = learner.swarm
+                emit(opts, "progress", step=learner.t, loss=sum(losses[-opts.progress_every:]) / len(losses[-opts.progress_every:]),
+                     tokens=learner.tokens, versions=sum(v.version for v in learner.labels),
+                     peers=len(st.members.live()), bytes=sum(st.bytes_total().values()),
+                     steps_per_s=1 / st.progress.step_time_s if st.progress.step_time_s else 0.0)
+            if opts.eval_every and learner.t % opts.eval_every == 0:
+                emit(opts, "eval", step=learner.t, eval_loss=evaluate(model, task))
+    except KeyboardInterrupt:
+        pass
+    summary = {
+        "peer_id": identity.peer_id,
+        "steps": learner.t,
+        "tokens": learner.tokens,
+        "final_loss": sum(losses[-20:]) / max(len(losses[-20:]), 1),
+        "eval_loss": evaluate(model, task),
+        "outer_steps": sum(learner.swarm.shard.outer_steps) if learner.swarm.shard else 0,
+        "versions": [str(v) for v in learner.labels],
+        "bytes": learner.swarm.bytes_total(),
+        "sent_steps": learner.sent_steps,
+        "overwritten_steps": learner.overwritten_steps,
+        "train_s": time.monotonic() - start,
+        "shard": dict(learner.swarm.shard.stats) if learner.swarm.shard else {},
+        "sync": dict(learner.swarm.sync.stats),
+    }
+    emit(opts, "done", **summary)
+    learner.close()
+    sys.stdout.flush()
+    return summary
