@@ -3,7 +3,7 @@
 Each message is a signed envelope (`diloco.protocol.envelope`) whose `fields` are described here; this module
 turns those fields into typed values and refuses anything else with `Malformed`. Tensor payloads are codec
 bytes (`diloco.protocol.codecs`), decoded only by the codec, which checks its own metadata. docs/protocol.md
-§6 is the prose version of this file.
+§7 is the prose version of this file.
 """
 
 from __future__ import annotations
