@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -22,31 +23,58 @@ class Proc:
             args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, cwd=REPO
         )
         self.lines: list[str] = []
+        self._buf = ""
+        self._checked = 0
+
+    def read_available(self) -> list[str]:
+        """Lines printed since the last call, without blocking."""
+        fd = self.popen.stdout.fileno()
+        os.set_blocking(fd, False)
+        new: list[str] = []
+        while True:
+            try:
+                chunk = os.read(fd, 65536).decode("utf-8", "replace")
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            self._buf += chunk
+            *done, self._buf = self._buf.split("\n")
+            new += done
+        self.lines += new
+        return new
 
     def wait_for(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
         """Read output until a line matches `pattern`; fail with what was seen if it never does."""
         deadline = time.monotonic() + timeout
         rx = re.compile(pattern)
-        fd = self.popen.stdout.fileno()
-        os.set_blocking(fd, False)
-        buf = ""
+        checked = self._checked
         while time.monotonic() < deadline:
-            try:
-                chunk = os.read(fd, 65536).decode("utf-8", "replace")
-            except BlockingIOError:
-                chunk = ""
-            if chunk:
-                buf += chunk
-                *done, buf = buf.split("\n")
-                for line in done:
-                    self.lines.append(line)
-                    if m := rx.search(line):
-                        return m
-            elif self.popen.poll() is not None:
-                if chunk == "":
-                    break
+            self.read_available()
+            for i in range(checked, len(self.lines)):
+                if m := rx.search(self.lines[i]):
+                    self._checked = i + 1
+                    return m
+            checked = len(self.lines)
+            if self.popen.poll() is not None and not self.read_available():
+                break
             time.sleep(0.05)
-        raise AssertionError(f"waited {timeout}s for {pattern!r}; output was:\n" + "\n".join(self.lines + [buf]))
+        tail = "\n".join(self.lines[-40:] + [self._buf])
+        raise AssertionError(f"waited {timeout}s for {pattern!r}; exit code {self.popen.poll()}; output ended:\n{tail}")
+
+    def events(self, name: str | None = None) -> list[dict]:
+        """JSON-line events printed so far (`join --json`)."""
+        self.read_available()
+        out = []
+        for line in self.lines:
+            if line.startswith("{"):
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if name is None or ev.get("event") == name:
+                    out.append(ev)
+        return out
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.popen.poll() is None:
