@@ -1,10 +1,15 @@
 """The anchors: the last global version Θ_p of every fragment this peer holds, with its label (DESIGN §6, §7).
 
-One store per peer, shared by the learner (which overwrites its live fragment with the anchor) and the syncer
-shard (which, as owner or replica, advances the anchor by the very update bytes it publishes). Every anchor
-change goes through `advance` or `install` under one lock, so the training thread never reads a half-written
-fragment, and a label never moves backwards. The update frames of the last few versions are kept, so a
-learner that missed one can catch up without downloading the whole fragment.
+One store per peer, shared by the learner and the syncer shard (which, as owner or replica, advances the anchor
+by the very update bytes it publishes). Every anchor change goes through `advance` or `install` under one lock,
+so the training thread never reads a half-written fragment, and a label never moves backwards. The update
+frames of the last few versions are kept, so a learner that missed one can catch up without a full download.
+
+What the learner does with a new version (the rebase rule). Its live fragment is θ[p] = Θ_p + (local
+progress not yet merged). When Θ_p moves by U, θ[p] moves by U too; and when U merged this learner's own
+outstanding delta Δ_sent (= Θ_base − θ at the send), that progress is now part of Θ_p and leaves θ[p]:
+θ[p] += U + Δ_sent. No local step is ever thrown away; only a whole download (`install`) overwrites θ[p].
+The store sums these per fragment between two step boundaries (`pending`) for the training thread to apply.
 """
 
 from __future__ import annotations
@@ -38,13 +43,27 @@ class Held:
     updates: deque[tuple[Version, Version, bytes]] = field(default_factory=lambda: deque(maxlen=KEEP_UPDATES))
 
 
+@dataclass
+class Changes:
+    """θ[p] := replace[p] (a fragment installed whole); θ[p] += moves[p] (the rebase rule); labels after."""
+
+    replace: dict[int, Tensor]
+    moves: dict[int, Tensor]
+    labels: list[Version]
+
+
 class FragmentStore:
     """Anchors by fragment index. `dirty` lists fragments whose anchor moved since the learner last copied it."""
 
-    def __init__(self, anchors: list[Tensor]) -> None:
+    def __init__(self, anchors: list[Tensor], self_id: str = "") -> None:
         self.held = [Held(a.detach().to(torch.float32).contiguous().clone()) for a in anchors]
+        self.self_id = self_id
         self.lock = threading.Lock()
         self.dirty: set[int] = set()
+        self.pending: dict[int, Tensor] = {}  # p -> what θ[p] must move by at the next step boundary
+        self.replaced: set[int] = set()  # fragments installed whole: θ[p] := Θ_p
+        self.outstanding: dict[int, tuple[Tensor, int]] = {}  # p -> (Δ_sent as merged, inner steps behind it)
+        self.merged_steps = 0  # Σ over fragments of the inner steps of our deltas that reached a version
         self.listeners: list = []  # callables (p, label) notified after each change, on the writer's thread
 
     def __len__(self) -> int:
@@ -61,7 +80,7 @@ class FragmentStore:
 
     def advance(
         self, p: int, base: Version, new: Version, update: Tensor, frame: bytes, cert: bytes,
-        expect_digest: bytes | None = None,
+        expect_digest: bytes | None = None, contributors: tuple[str, ...] | list[str] = (),
     ) -> None:
         """Θ_p := Θ_p + update, moving the label from `base` to `new`; refuses anything but the next step.
 
@@ -83,6 +102,13 @@ class FragmentStore:
                 held.anchor.add_(update.reshape(-1))
             held.label, held.cert = new, cert
             held.updates.append((base, new, frame))
+            move = update.reshape(-1).clone()
+            if self.self_id in contributors and p in self.outstanding:
+                sent, steps = self.outstanding.pop(p)
+                move.add_(sent)
+                self.merged_steps += steps
+            if p not in self.replaced:
+                self.pending[p] = self.pending[p].add_(move) if p in self.pending else move
             self.dirty.add(p)
         self._notify(p, new)
 
@@ -105,6 +131,9 @@ class FragmentStore:
             held.anchor.copy_(anchor.reshape(-1))
             held.label, held.cert = label, cert
             held.updates.clear()
+            self.pending.pop(p, None)
+            self.outstanding.pop(p, None)
+            self.replaced.add(p)
             self.dirty.add(p)
         self._notify(p, label)
 
@@ -130,6 +159,28 @@ class FragmentStore:
     def digest(self, p: int) -> bytes:
         with self.lock:
             return anchor_digest(self.held[p].anchor)
+
+    def set_outstanding(self, p: int, base: Version, sent: Tensor, steps: int) -> bool:
+        """Remember the delta just sent for p (as the owner will merge it) until a version merges it.
+        False if the anchor has moved off `base` meanwhile (then the delta must not be sent)."""
+        with self.lock:
+            if self.held[p].label != base:
+                return False
+            self.outstanding[p] = (sent, steps)
+            return True
+
+    def drop_outstanding(self, p: int) -> None:
+        """The delta was not accepted: its progress stays in θ[p] and goes out with the next one."""
+        with self.lock:
+            self.outstanding.pop(p, None)
+
+    def take_changes(self) -> Changes:
+        """For the training thread, at a step boundary: what to do to θ, and the labels θ is then based on."""
+        with self.lock:
+            out = Changes({p: self.held[p].anchor.clone() for p in self.replaced}, self.pending,
+                          [h.label for h in self.held])
+            self.pending, self.replaced, self.dirty = {}, set(), set()
+            return out
 
     def take_dirty(self) -> set[int]:
         with self.lock:

@@ -183,14 +183,14 @@ class Shard:
         anchor, label, _ = self.store.snapshot(p)
         pub = await asyncio.to_thread(owner.step, anchor, label)
         digest = anchor_digest(anchor.add_(pub.update))  # Θ^(new), computed exactly as every holder will
-        fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta).to_fields()
+        fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta, tuple(pub.learners)).to_fields()
         env = seal(self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
         frame = env.to_bytes()
         replicated = await self._replicate(p, owner, env, anchor, pub.new)
         if self.owners.get(p) is not owner:
             self.stats["publications_abandoned"] += 1  # lost ownership meanwhile; the new owner carries on
             return
-        self.store.advance(p, pub.base, pub.new, pub.update, frame, env.prefix())
+        self.store.advance(p, pub.base, pub.new, pub.update, frame, env.prefix(), contributors=pub.learners)
         self.outer_steps[p] += 1
         self.stats["outer_steps"] += 1
         await self._push(env, exclude=replicated | {self.members.peer_id})

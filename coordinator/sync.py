@@ -90,7 +90,8 @@ class FragmentSync:
         update = self.codec.decode(f.codec, env.payload, max_elements=self.store.numel(f.p)).reshape(-1)
         if update.numel() != self.store.numel(f.p) or not bool(torch.isfinite(update).all()):
             raise Malformed(f"update for fragment {f.p} has the wrong size or non-finite values")
-        self.store.advance(f.p, f.base, f.new, update, env.to_bytes(), env.prefix(), expect_digest=f.digest)
+        self.store.advance(f.p, f.base, f.new, update, env.to_bytes(), env.prefix(), expect_digest=f.digest,
+                           contributors=f.learners)
         self.versions_accepted += 1
         return True
 
@@ -237,15 +238,33 @@ class FragmentSync:
     async def send_delta(self, p: int, live_fragment: torch.Tensor, base: Version, steps: int, tokens: int) -> bool:
         """Δ_p = Θ_p^(base) − θ[p] (plus the error-feedback residual), compressed, signed, sent to owner(p).
 
-        `live_fragment` is the learner's snapshot of θ[p] and is overwritten with Δ. A failed owner is
-        suspected and the delta goes to the next one. Returns whether an owner accepted it.
+        `live_fragment` is the learner's snapshot of θ[p]. A failed owner is suspected and the delta goes to
+        the next one. Until a version merges it, the delta is kept as outstanding (see `fragments`: the rebase
+        rule). Returns whether an owner accepted it.
         """
         anchor, label, _ = self.store.snapshot(p)
         if label != base:
             self.stats["deltas_dropped_moved"] += 1  # the anchor moved since the snapshot; Δ would be wrong
             return False
         delta = anchor.sub_(live_fragment)
-        meta, payload = self.feedback.encode(str(p), delta) if self.feedback else self.codec.encode(delta)
+        if self.feedback is not None:  # the residual carries what the codec dropped; θ[p] gives up all of Δ
+            meta, payload = self.feedback.encode(str(p), delta)
+            merged = delta
+        else:  # what the codec dropped stays in θ[p] and goes out with the next delta
+            meta, payload = self.codec.encode(delta)
+            merged = self.codec.decode(meta, payload, max_elements=delta.numel()).reshape(-1)
+        if not self.store.set_outstanding(p, base, merged, steps):
+            self.stats["deltas_dropped_moved"] += 1
+            return False
+        if await self._deliver(p, base, steps, tokens, meta, payload):
+            return True
+        self.store.drop_outstanding(p)
+        if self.feedback is not None:
+            self.feedback.reset(str(p))
+        return False
+
+    async def _deliver(self, p: int, base: Version, steps: int, tokens: int, meta: dict, payload: bytes) -> bool:
+        """Send a delta to owner(p), then to the next owner if that one is gone. True once one accepted it."""
         fields = DeltaFields(p, base, steps, tokens, meta).to_fields()
         for _ in range(1 + self.spec.replicas):
             owner = self.members.roles(p)[0]

@@ -19,6 +19,7 @@ from diloco.protocol.errors import Malformed
 from .version import Version
 
 DELTA, UPDATE, REPLICATE = "delta", "update", "replicate"
+MAX_LEARNERS = 4096
 MAX_TENSOR_PAYLOAD = 1 << 31  # 2 GiB: an fp32 fragment of 512M parameters
 for _kind in (DELTA, UPDATE, REPLICATE):
     register_kind(_kind, MAX_TENSOR_PAYLOAD)
@@ -84,19 +85,25 @@ class UpdateFields:
     new: Version
     digest: bytes
     codec: dict[str, Any]
+    learners: tuple[str, ...] = ()  # PeerIds whose deltas this outer step merged
 
     def to_fields(self) -> dict[str, Any]:
         return {"p": self.p, "base": self.base.to_wire(), "new": self.new.to_wire(), "digest": self.digest,
-                "codec": self.codec}
+                "codec": self.codec, "learners": list(self.learners)}
 
     @classmethod
     def parse(cls, f: dict[str, Any], P: int) -> UpdateFields:
-        _exact(f, {"p", "base", "new", "digest", "codec"}, UPDATE)
+        _exact(f, {"p", "base", "new", "digest", "codec", "learners"}, UPDATE)
         digest = f["digest"]
         if not isinstance(digest, bytes) or len(digest) != 32:
             raise Malformed("update digest must be 32 bytes")
+        learners = f["learners"]
+        if not isinstance(learners, list) or len(learners) > MAX_LEARNERS or not all(
+            isinstance(x, str) and len(x) <= 64 for x in learners
+        ):
+            raise Malformed(f"update learners must be a list of at most {MAX_LEARNERS} PeerIds")
         out = cls(_int(f, "p", 0, P - 1), Version.from_wire(f["base"]), Version.from_wire(f["new"]), digest,
-                  _meta(f, "codec"))
+                  _meta(f, "codec"), tuple(learners))
         if not out.new > out.base:
             raise Malformed(f"update to {out.new} does not move forward from {out.base}")
         return out

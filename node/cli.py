@@ -280,6 +280,68 @@ def status(url: str, as_json: bool) -> None:
         click.echo(f"  {f['p']}: version {f['version']}  owner/replicas [{roles}]  outer steps here {f['outer_steps']}")
 
 
+@main.command()
+@click.option("--peers", default=3, show_default=True, type=click.IntRange(min=1),
+              help="N: learner processes to start on this machine (each also hosts a syncer shard).")
+@click.option("--steps", default=600, show_default=True, type=click.IntRange(min=1),
+              help="Inner steps each learner trains; the demo ends when all have finished.")
+@click.option("--task", default="markov", show_default=True, help="Built-in task: markov, kjv or file:PATH.")
+@click.option("--inner-steps", default=50, show_default=True, type=click.IntRange(min=1),
+              help="H: inner steps between two deltas of a fragment (short, so a short demo has many outer steps).")
+@click.option("--fragments", default=4, show_default=True, type=click.IntRange(min=1),
+              help="P: fragments the model is cut into.")
+@click.option("--codec", default="int8", show_default=True, help="Codec of deltas and updates (int8, int4, bf16, ...).")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the run spec, keys and the learners' logs go. Default: a fresh temporary directory "
+              "(printed at the start).")
+@click.option("--progress-every", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Inner steps between two progress reports of a learner.")
+@click.option("--timeout", "timeout_s", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Stop with an error if the learners have not all finished after this many seconds (0: no limit).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Plain progress lines instead of the live table, and a JSON summary as the last line: "
+              "peers, final_loss, eval_loss, outer_steps, goodput, bytes_sent, wall_s.")
+def demo(peers: int, steps: int, task: str, inner_steps: int, fragments: int, codec: str, workdir: Path | None,
+         progress_every: int, timeout_s: float, as_json: bool) -> None:
+    """Run a real swarm of N learners on this machine, with live progress, then print a summary.
+
+    Writes a fresh run spec and keys into --workdir, starts one `diloco-node join` process per learner
+    (the first opens the swarm, the others join it through the first one's URL), shows every learner's step,
+    loss, speed, fragment versions, peers seen and traffic (a live table on a terminal, plain lines
+    otherwise) and ends when all have trained --steps inner steps. Ctrl-C stops the learners (SIGINT,
+    then SIGKILL after 5 s); no process is left behind.
+
+    Goodput in the summary is the share of inner steps whose progress reached a published version,
+    Σ merged_steps / (P · Σ steps).
+    """
+    import json as _json
+
+    from diloco.protocol.codecs import available_codecs
+
+    from .demo import DemoError, DemoOptions, run_demo
+
+    if codec not in available_codecs():
+        raise UserError(f"unknown codec {codec!r}; choose one of {', '.join(available_codecs())}")
+    opts = DemoOptions(peers=peers, steps=steps, task=task, inner_steps=inner_steps, fragments=fragments,
+                       codec=codec, workdir=workdir, json=as_json, progress_every=progress_every,
+                       timeout_s=timeout_s)
+    try:
+        runner, summary, interrupted = run_demo(opts)
+    except DemoError as e:
+        for line in e.details:
+            click.echo(line, err=True)
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"demo working directory: {e}") from None
+    for line in runner.report(summary, interrupted):
+        click.echo(line)
+    if as_json:
+        click.echo(_json.dumps(summary))
+    if interrupted:
+        click.echo("interrupted: the learners were stopped before finishing", err=True)
+        sys.exit(130)
+
+
 def load_identity(path: Path | None) -> Identity:
     """Load a key for a command, turning key-file problems into one-line user errors."""
     try:

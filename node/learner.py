@@ -77,8 +77,9 @@ class Learner:
         self.tokens = 0
         self.c_steps = [0] * P
         self.c_tokens = [0] * P
-        self.sent_steps = 0  # inner steps handed to owners inside deltas
-        self.overwritten_steps = 0  # local steps discarded when a new version arrived first
+        self.sent_steps = 0  # Σ over fragments of the inner steps handed to owners inside deltas
+        self.overwritten_steps = 0  # Σ over fragments of local steps discarded by a whole-fragment download
+        self.base: list[Version] = []  # per fragment, the version θ[p] is based on
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         self._saving: threading.Thread | None = None
@@ -138,7 +139,7 @@ class Learner:
         for p, offset in enumerate(self.offsets):
             if self.t % H == offset and self.c_steps[p] > 0:
                 snapshot = self.plan.flatten(p, self.params)
-                self.swarm.submit_delta(p, snapshot, self.swarm.store.label(p), self.c_steps[p], self.c_tokens[p])
+                self.swarm.submit_delta(p, snapshot, self.base[p], self.c_steps[p], self.c_tokens[p])
                 self.sent_steps += self.c_steps[p]
                 self.c_steps[p] = self.c_tokens[p] = 0
         pr = self.swarm.progress
@@ -154,14 +155,16 @@ class Learner:
             self.save_checkpoint()
 
     def _apply_new_versions(self) -> None:
-        """Overwrite θ[p] with every anchor that moved (α = 0, as Decoupled DiLoCo); local steps since the
-        last send of p are discarded and its counters restart."""
-        store = self.swarm.store
-        for p in sorted(store.take_dirty()):
-            with store.lock:
-                self.plan.unflatten_into(p, store.held[p].anchor, self.params)
+        """Move θ[p] with every new version (the rebase rule of `coordinator.fragments`): θ[p] += U, plus our
+        own delta once merged. A fragment downloaded whole overwrites θ[p]; only then are local steps lost."""
+        changes = self.swarm.store.take_changes()
+        self.base = changes.labels
+        for p, anchor in changes.replace.items():
+            self.plan.unflatten_into(p, anchor, self.params)
             self.overwritten_steps += self.c_steps[p]
             self.c_steps[p] = self.c_tokens[p] = 0
+        for p, move in changes.moves.items():
+            self.plan.unflatten_into(p, self.plan.flatten(p, self.params).add_(move), self.params)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
 

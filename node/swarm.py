@@ -75,7 +75,7 @@ class Swarm:
     def __init__(self, identity: Identity, spec: RunSpec, plan: FragmentPlan, anchors: list[torch.Tensor],
                  config: SwarmConfig, labels: list[Version] | None = None, certs: list[bytes] | None = None) -> None:
         self.identity, self.spec, self.plan, self.config = identity, spec, plan, config
-        self.store = FragmentStore(anchors)
+        self.store = FragmentStore(anchors, identity.peer_id)
         for p, (label, cert) in enumerate(zip(labels or [], certs or [], strict=False)):
             self.store.held[p].label, self.store.held[p].cert = label, cert
         self.progress = Progress()

@@ -114,6 +114,7 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
         "versions": [str(v) for v in learner.labels],
         "bytes": learner.swarm.bytes_total(),
         "sent_steps": learner.sent_steps,
+        "merged_steps": learner.swarm.store.merged_steps,
         "overwritten_steps": learner.overwritten_steps,
         "train_s": time.monotonic() - start,
         "shard": dict(learner.swarm.shard.stats) if learner.swarm.shard else {},

@@ -1,7 +1,6 @@
 """Learners in one process (one swarm thread each): the fragment protocol end to end, fast."""
 
 import pytest
-import torch
 
 from diloco.coordinator.fragments import anchor_digest
 
@@ -42,15 +41,5 @@ def test_learners_and_owners_hold_bit_identical_fragments(fleet):
     for p in range(P):
         digests = {anchor_digest(ll.learner.swarm.store.held[p].anchor) for ll in learners}
         assert len(digests) == 1, f"fragment {p} differs between learners"
-    # versions that arrived after the last step are written into the live parameters at the next boundary
-    overwritten = 0
-    for ll in learners:
-        arrived = set(ll.learner.swarm.store.dirty)
-        ll.learner.step(tokens=0)
-        params = dict(ll.model.named_parameters())
-        for p in arrived:
-            assert torch.equal(ll.learner.plan.flatten(p, params), ll.learner.swarm.store.held[p].anchor)
-        overwritten += len(arrived)
-    assert overwritten > 0
     owners = sum(len(ll.learner.swarm.shard.owners) for ll in learners)
     assert owners == P, "every fragment has exactly one owner"

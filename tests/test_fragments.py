@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from diloco.coordinator.fragments import DigestMismatch, FragmentStore, anchor_digest
+from diloco.coordinator.version import GENESIS, Version
+from diloco.protocol.errors import StaleVersion
+
+V1, V2 = Version(0, 1), Version(0, 2)
+
+
+def store(n=6):
+    return FragmentStore([torch.zeros(n), torch.ones(n)], self_id="me")
+
+
+def test_a_new_version_moves_theta_by_the_update():
+    s = store()
+    u = torch.full((6,), 0.5)
+    s.advance(0, GENESIS, V1, u, b"f", b"c", contributors=["other"])
+    changes = s.take_changes()
+    assert torch.equal(changes.moves[0], u) and changes.labels[0] == V1 and not changes.replace
+    assert torch.equal(s.held[0].anchor, u)
+
+
+def test_a_version_that_merged_our_delta_also_takes_that_progress_out_of_theta():
+    s = store()
+    sent = torch.full((6,), -0.25)  # Δ = Θ − θ: we had moved θ by +0.25
+    assert s.set_outstanding(0, GENESIS, sent, steps=10)
+    u = torch.full((6,), 0.2)
+    s.advance(0, GENESIS, V1, u, b"f", b"c", contributors=["me", "other"])
+    assert torch.allclose(s.take_changes().moves[0], u + sent)
+    assert s.merged_steps == 10 and 0 not in s.outstanding
+
+
+def test_our_delta_stays_outstanding_until_a_version_merges_it():
+    s = store()
+    s.set_outstanding(0, GENESIS, torch.ones(6), steps=3)
+    s.advance(0, GENESIS, V1, torch.zeros(6), b"f", b"c", contributors=["other"])
+    assert 0 in s.outstanding and s.merged_steps == 0
+
+
+def test_moves_of_several_versions_add_up_between_two_steps():
+    s = store()
+    s.advance(1, GENESIS, V1, torch.ones(6), b"f", b"c")
+    s.advance(1, V1, V2, torch.ones(6), b"g", b"d")
+    assert torch.equal(s.take_changes().moves[1], torch.full((6,), 2.0))
+    assert s.take_changes().moves == {}
+
+
+def test_a_whole_download_replaces_theta_and_forgets_the_outstanding_delta():
+    s = store()
+    s.set_outstanding(0, GENESIS, torch.ones(6), 5)
+    s.advance(0, GENESIS, V1, torch.ones(6), b"f", b"c")
+    s.install(0, torch.full((6,), 7.0), Version(1, 9), b"cert")
+    changes = s.take_changes()
+    assert 0 not in changes.moves and torch.equal(changes.replace[0], torch.full((6,), 7.0))
+    assert 0 not in s.outstanding
+
+
+def test_outstanding_delta_refused_when_the_anchor_moved_since_the_snapshot():
+    s = store()
+    s.advance(0, GENESIS, V1, torch.ones(6), b"f", b"c")
+    assert not s.set_outstanding(0, GENESIS, torch.ones(6), 1)
+
+
+def test_versions_never_regress():
+    s = store()
+    s.advance(0, GENESIS, V2, torch.ones(6), b"f", b"c")
+    with pytest.raises(StaleVersion):
+        s.advance(0, GENESIS, V1, torch.ones(6), b"f", b"c")
+    with pytest.raises(StaleVersion):
+        s.install(0, torch.zeros(6), V1, b"c")
+    assert s.label(0) == V2
+
+
+def test_update_that_does_not_reproduce_the_certified_bytes_changes_nothing():
+    s = store()
+    good = anchor_digest(torch.full((6,), 1.0))
+    with pytest.raises(DigestMismatch):
+        s.advance(0, GENESIS, V1, torch.full((6,), 2.0), b"f", b"c", expect_digest=good)
+    assert s.label(0) == GENESIS and torch.equal(s.held[0].anchor, torch.zeros(6))
+    s.advance(0, GENESIS, V1, torch.full((6,), 1.0), b"f", b"c", expect_digest=good)
+    assert s.label(0) == V1
+
+
+def test_kept_updates_lead_from_an_old_version_to_the_current_one():
+    s = store()
+    s.advance(0, GENESIS, V1, torch.ones(6), b"f1", b"c")
+    s.advance(0, V1, V2, torch.ones(6), b"f2", b"c")
+    assert s.updates_after(0, GENESIS) == [b"f1", b"f2"]
+    assert s.updates_after(0, V1) == [b"f2"]
+    assert s.updates_after(0, Version(5, 5)) is None
