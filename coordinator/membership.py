@@ -64,7 +64,7 @@ class Membership:
         self.suspects: dict[str, float] = {}  # peer_id -> the record expiration it had when suspected
         self.on_change: list[Callable[[], None]] = []
         self._allowed = None if spec.membership == "open" else {peer_id_of(k) for k in (*spec.allowlist, spec.creator)}
-        self._live_ids: frozenset[str] = frozenset()
+        self._live_ids: frozenset[tuple[str, bool]] = frozenset()
         self.polls = 0
 
     # -- views ----------------------------------------------------------------------------------------------
@@ -87,8 +87,9 @@ class Membership:
         return m.url if m is not None and m.url else None
 
     def roles(self, p: int) -> list[str]:
-        """[owner, replica, ...] of fragment p among the live members."""
-        return owners(self.spec.run_id, p, self.live(), self.spec.replicas)
+        """[owner, replica, ...] of fragment p among the live members that hold every fragment already (a
+        joiner still downloading must not own a fragment it does not have yet)."""
+        return owners(self.spec.run_id, p, [m for m in self.live() if m.record.synced], self.spec.replicas)
 
     def suspect(self, peer_id: str) -> None:
         """A request to `peer_id` failed: route around it until it refreshes its record."""
@@ -97,7 +98,7 @@ class Membership:
             return
         log.info("suspecting %s (unreachable)", peer_id[:8])
         self.suspects[peer_id] = m.expiration
-        self._changed()
+        self.changed()
 
     # -- DHT I/O --------------------------------------------------------------------------------------------
 
@@ -121,7 +122,7 @@ class Membership:
             if m is None or m.expiration > at:  # gone for good, or alive again (it refreshed)
                 del self.suspects[peer_id]
         self.polls += 1
-        self._changed()
+        self.changed()
 
     async def run(self) -> None:
         """Refresh our record and poll the others, forever (cancelled at shutdown)."""
@@ -135,8 +136,9 @@ class Membership:
                 await self.poll()
             await asyncio.sleep(self.poll_s)
 
-    def _changed(self) -> None:
-        ids = frozenset(m.peer_id for m in self.live())
+    def changed(self) -> None:
+        """Re-evaluate the live set (also after our own record changed) and notify on a change."""
+        ids = frozenset((m.peer_id, m.record.synced) for m in self.live())
         if ids != self._live_ids:
             self._live_ids = ids
             for fn in self.on_change:

@@ -111,15 +111,21 @@ class FragmentOwner:
     def deadline(self) -> float | None:
         return self.tracker.deadline() if self.pending else None
 
-    def step(self, anchor: Tensor, current: Version) -> Publication:
-        """Merge the queued deltas, take the outer step and encode the update. Does not touch `anchor`;
-        the caller applies `Publication.update` once the publication is replicated."""
-        contributions = [
-            Contribution(self._decode_one(d), d.tokens, d.steps, max(0, current.version - d.base.version), d.learner)
-            for d in self.pending.values()
-        ]
+    def take_round(self) -> list[PendingDelta]:
+        """End the round: its deltas, for `step`; deltas arriving from now on belong to the next round."""
+        batch = list(self.pending.values())
         self.pending.clear()
         self.tracker.reset()
+        return batch
+
+    def step(self, batch: list[PendingDelta], anchor: Tensor, current: Version) -> Publication:
+        """Merge a round's deltas, take the outer step and encode the update. Touches neither `anchor` nor
+        the pending deltas (it may run in a worker thread); the caller applies `Publication.update` once
+        the publication is replicated."""
+        contributions = [
+            Contribution(self._decode_one(d), d.tokens, d.steps, max(0, current.version - d.base.version), d.learner)
+            for d in batch
+        ]
         if not contributions:
             raise InvalidContribution(f"no delta for fragment {self.p} in this round")
         result = merge(contributions, clip_c=self.settings.clip_c, embedding_numel=self.embedding_numel)

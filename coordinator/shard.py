@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 import logging
 import time
 
@@ -53,6 +54,17 @@ PUSH_CONCURRENCY = 8
 FRAG_RECORD_TTL_S = 3600.0
 
 
+TERM_SLOTS = 1 << 16
+
+
+def next_term(seen: int, peer_id: str) -> int:
+    """A term above every term seen, in a slot of its own for this peer: two peers that take a fragment at the
+    same moment (their views of the member set differ for a poll interval) publish under different terms, so
+    the higher one wins everywhere instead of two different fragments carrying one label."""
+    slot = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:2], "big") % TERM_SLOTS
+    return (seen // TERM_SLOTS + 1) * TERM_SLOTS + slot
+
+
 class Shard:
     """Owner and replica duties of one peer. Start `run()` as a task; it returns only when cancelled."""
 
@@ -82,6 +94,7 @@ class Shard:
         self.verifier = EnvelopeVerifier(spec.run_id, is_member=spec.is_member, kinds={DELTA, REPLICATE})
         self._wake: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._stepping: set[int] = set()
         self.enabled = False  # becomes True once the membership view has been read at least once
         server.add_envelope_route(ROUTE_DELTA, self.verifier, self._on_delta, kinds={DELTA})
         server.add_envelope_route(ROUTE_REPLICATE, self.verifier, self._on_replicate, kinds={REPLICATE})
@@ -131,7 +144,7 @@ class Shard:
         label = self.store.label(p)
         kept = self.replica_momentum.pop(p, None)
         momentum = kept[1] if kept is not None and kept[0] == label else None
-        term = 0 if label == GENESIS else max(label.term, self.terms_seen[p]) + 1
+        term = next_term(max(label.term, self.terms_seen[p]), self.members.peer_id)
         frag = self.plan.fragments[p]
         self.owners[p] = FragmentOwner(p, frag.numel, frag.embedding_numel, self.codec, self.outer, self.settings,
                                        term, momentum, live)
@@ -154,19 +167,27 @@ class Shard:
     async def run(self) -> None:
         self._wake = asyncio.Event()
         while True:
-            deadlines = [d for o in self.owners.values() if (d := o.deadline()) is not None]
+            deadlines = [d for p, o in self.owners.items() if p not in self._stepping and (d := o.deadline()) is not None]
             timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
             self._observe_step_time()
             for p, owner in list(self.owners.items()):
-                if owner.ready():
-                    try:
-                        await self._step(p, owner)
-                    except Exception:  # one fragment's failure must not stop the others
-                        log.exception("outer step of fragment %d failed", p)
-                        self.stats["outer_step_failures"] += 1
+                if owner.ready() and p not in self._stepping:
+                    self._stepping.add(p)
+                    self._spawn(self._step_guarded(p, owner))
+
+    async def _step_guarded(self, p: int, owner: FragmentOwner) -> None:
+        """One fragment's outer step; fragments step concurrently, each one at a time."""
+        try:
+            await self._step(p, owner)
+        except Exception:  # one fragment's failure must not stop the others
+            log.exception("outer step of fragment %d failed", p)
+            self.stats["outer_step_failures"] += 1
+        finally:
+            self._stepping.discard(p)
+            self._poke()  # deltas may have queued up meanwhile
 
     def _poke(self) -> None:
         if self._wake is not None:
@@ -181,14 +202,18 @@ class Shard:
     async def _step(self, p: int, owner: FragmentOwner) -> None:
         t0 = time.monotonic()
         anchor, label, _ = self.store.snapshot(p)
-        pub = await asyncio.to_thread(owner.step, anchor, label)
+        if label.term > owner.term:  # another peer owned p meanwhile (views differed): publish above its term
+            owner.term = next_term(label.term, self.members.peer_id)
+        pub = await asyncio.to_thread(owner.step, owner.take_round(), anchor, label)
         digest = anchor_digest(anchor.add_(pub.update))  # Θ^(new), computed exactly as every holder will
         fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta, tuple(pub.learners)).to_fields()
         env = seal(self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
         frame = env.to_bytes()
         replicated = await self._replicate(p, owner, env, anchor, pub.new)
-        if self.owners.get(p) is not owner:
-            self.stats["publications_abandoned"] += 1  # lost ownership meanwhile; the new owner carries on
+        if self.owners.get(p) is not owner or self.store.label(p) != pub.base:
+            # Lost ownership meanwhile, or another owner's newer version arrived first (views of the member
+            # set differed for a moment): the version with the higher (term, version) stands.
+            self.stats["publications_abandoned"] += 1
             return
         self.store.advance(p, pub.base, pub.new, pub.update, frame, env.prefix(), contributors=pub.learners)
         self.outer_steps[p] += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 from collections.abc import Callable
@@ -159,7 +160,12 @@ class FragmentSync:
             if url is None:
                 continue
             try:
-                if await self._fetch_updates(p, url) or await self.fetch_fragment(p, url):
+                try:
+                    if await self._fetch_updates(p, url):
+                        return True
+                except DigestMismatch:
+                    self.stats["diverged_repairs"] += 1  # our copy is not the owner's: take it whole
+                if await self.fetch_fragment(p, url, repair=True):
                     return True
             except (TransportError, ProtocolError) as e:
                 log.info("catching up fragment %d from %s failed: %s", p, peer[:8], e)
@@ -183,8 +189,9 @@ class FragmentSync:
         self.stats["caught_up_by_updates"] += 1
         return True
 
-    async def fetch_fragment(self, p: int, url: str) -> bool:
-        """Download Θ_p whole from `url`, check it against its certificate, install it if newer."""
+    async def fetch_fragment(self, p: int, url: str, repair: bool = False) -> bool:
+        """Download Θ_p whole from `url`, check it against its certificate, install it if newer (or, with
+        `repair`, if it is the same version with other bytes than ours)."""
         try:
             body = await self.client.request("GET", url, f"/v1/fragment/{p}", idempotent=True,
                                              max_response=self.store.numel(p) * 4 + 70_000)
@@ -199,9 +206,10 @@ class FragmentSync:
         anchor = torch.frombuffer(data, dtype=torch.float32)
         if anchor_digest(anchor) != f.digest:
             raise DigestMismatch(f"downloaded fragment {p} does not match its certificate")
-        if f.new > self.store.label(p):
-            self.store.install(p, anchor, f.new, cert_bytes)
-            self.stats["full_downloads"] += 1
+        if f.new > self.store.label(p) or (repair and f.new == self.store.label(p)):
+            with contextlib.suppress(StaleVersion):  # same version, same bytes: nothing to repair
+                self.store.install(p, anchor, f.new, cert_bytes, repair=repair)
+                self.stats["full_downloads"] += 1
         return True
 
     async def newest_versions(self) -> list[Version | None]:

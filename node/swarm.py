@@ -142,6 +142,8 @@ class Swarm:
             await self._open_server()
             await self._join()
             self.progress.synced = True
+            await self.members.publish()  # now a candidate owner: say so at once
+            self.members.changed()
             self._ready.set()
             for coro in (self.members.run(), self._watch(), *([self.shard.run()] if self.shard else [])):
                 self._spawn(coro)
@@ -183,22 +185,26 @@ class Swarm:
 
     async def _join(self) -> None:
         cfg = self.config
+        t0 = time.perf_counter()
         if cfg.peers:
             try:
                 await self.dht.bootstrap(cfg.peers)
             except BootstrapFailed as e:
                 raise JoinError(f"{e}; check --peers") from None
+        log.info("join: DHT bootstrapped in %.3fs", time.perf_counter() - t0)
         if cfg.client_mode is None and cfg.peers and self.server is not None and not await self._reachable():
             raise JoinError(f"other peers cannot reach {self.url}; pass --announce with a reachable address, "
                             "or --client-mode to train without accepting connections")
         await self.members.publish()
         await self.members.poll()
+        log.info("join: %d members seen at %.3fs", len(self.members.live()), time.perf_counter() - t0)
         if self.shard is not None:
             self.shard.enabled = True
             self.shard.reassign()
         deadline = time.monotonic() + cfg.join_timeout_s
         while True:
             behind = await self.sync.sync_all()
+            log.info("join: fragments synced at %.3fs, still behind: %s", time.perf_counter() - t0, behind)
             if not behind:
                 return
             if time.monotonic() > deadline:

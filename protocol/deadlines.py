@@ -45,7 +45,7 @@ class LinkEstimator:
         if nbytes >= self.LARGE_BYTES:
             a = alpha if self.rate_samples else 1.0
             self.rate_samples += 1
-            rate = nbytes / max(elapsed_s - self.rtt_s, 1e-6)
+            rate = nbytes / max(elapsed_s, 1e-6)  # latency included: never more optimistic than observed
             self.rate_bps = (1 - a) * self.rate_bps + a * rate
         else:
             a = alpha if self.rtt_samples else 1.0

@@ -169,7 +169,7 @@ def test_deadline_adapts_to_observed_latency_and_rate():
     est = LinkEstimator(DeadlinePolicy(floor_s=0.01, ceiling_s=1000, slack=2))
     est.observe(0.05, 100)
     assert est.deadline(0) == pytest.approx(0.1)
-    est.observe(1.05, 10_000_000)  # 10 MB in 1 s after the RTT
+    est.observe(1.0, 10_000_000)  # 10 MB in 1 s, latency included
     assert est.rate_bps == pytest.approx(10e6, rel=0.01)
     assert est.deadline(100_000_000) == pytest.approx(2 * (0.05 + 10), rel=0.01)
     slow = LinkEstimator(DeadlinePolicy(floor_s=0.5, ceiling_s=30))

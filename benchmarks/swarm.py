@@ -1,0 +1,202 @@
+"""Swarm benchmark: our learners and syncer shards vs hivemind 1.1.12 and the raw socket, one run.
+
+    python benchmarks/swarm.py [--quick] [--json]
+
+What each key measures (all on loopback, one torch thread per process):
+  round_s                 4 learner processes hold a 25M-float32 stand-in in 8 fragments (int8 codec); each hands
+                          every fragment's delta to its swarm at once; from the last learner's hand-over to the
+                          last learner holding every new version (median over rounds)
+  hivemind_allreduce_s    hivemind's DecentralizedAverager, same tensors, 4 processes, 8-bit codec
+  join_s                  a fifth learner: Learner.start() + its first step(), i.e. first contact with a peer to
+                          its first inner step with the whole state synced (imports, model construction excluded)
+  hivemind_load_state_s   a fifth hivemind peer's load_state_from_peers() of the same tensors
+  raw_transfer_s          the same 100 MB over one plain loopback TCP socket between two processes
+  overhead_ratio          tiny-GPT inner steps/s of 2 learners in a 2-learner swarm (default RunSpec) ÷ the
+                          same loop without the swarm, 2 processes side by side
+  bytes_per_step          bytes sent + received per inner step per learner, from the learners' own counters, in
+                          a 4-learner tiny-GPT swarm at the default RunSpec
+  ddp_bytes_per_step      what a fp32 ring all-reduce moves per step per worker: 2·2(M−1)/M·4·params
+  bandwidth_reduction     ddp_bytes_per_step ÷ bytes_per_step
+  extra_rss_bytes_per_param  (peak RSS of a stand-in learner after the rounds − peak RSS of the same process
+                          holding the same model and AdamW state without the swarm) ÷ 25M
+The last line of stdout is one JSON object with these keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def log(*a: object) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def _die_with_parent() -> None:
+    """Linux: the worker gets SIGKILL when this benchmark process dies, however it dies."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Worker:
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=sys.stderr, text=True, env=ENV, cwd=HERE.parent,
+                                     preexec_fn=_die_with_parent)
+
+    def event(self, timeout: float = 300) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker {self.proc.args[1:3]} exited with {self.proc.wait()}")
+            if line.startswith("{"):
+                return json.loads(line)
+        raise TimeoutError(f"worker {self.proc.args[1:3]} said nothing for {timeout}s")
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def stand_in_spec(path: Path) -> None:
+    sys.path.insert(0, str(HERE))
+    from _swarm_worker import FRAGMENTS, StandIn
+
+    from diloco.coordinator.plan import FragmentPlan
+    from diloco.coordinator.runspec import Genesis, RunSpec
+    from diloco.node.learner import genesis_digest
+    from diloco.protocol.identity import Identity
+
+    model = StandIn()
+    plan = FragmentPlan.from_module(model, FRAGMENTS)
+    spec = RunSpec("swarm-bench", task="stand-in", fragments=FRAGMENTS, codec="int8", plan_digest=plan.digest(),
+                   genesis_digest=genesis_digest(plan, model))
+    Genesis.create(Identity.generate(), spec).save(path)
+
+
+def stand_in_part(tmp: Path, rounds: int) -> dict:
+    spec = tmp / "standin.spec"
+    stand_in_spec(spec)
+    worker = str(HERE / "_swarm_worker.py")
+    workers: list[Worker] = []
+    try:
+        base = Worker([worker, "standalone", str(spec)])
+        standalone_rss = base.event()["maxrss"]
+        base.stop()
+        workers.append(Worker([worker, "learner", str(spec)]))
+        url = workers[0].event()["url"]
+        workers += [Worker([worker, "learner", str(spec), url]) for _ in range(3)]
+        for w in workers[1:]:
+            w.event()
+        time.sleep(3)  # every member record seen by every peer
+        times, rss = [], []
+        for r in range(rounds):
+            for w in workers:
+                w.send("go")
+            evs = [w.event() for w in workers]
+            times.append(max(e["have"] for e in evs) - max(e["sent"] for e in evs))
+            rss = [e["maxrss"] for e in evs]
+            log(f"round {r}: {times[-1]:.3f}s")
+        joiner = Worker([worker, "joiner", str(spec), url])
+        join = joiner.event()
+        joiner.proc.wait(60)
+        log(f"join: {join['join_s']:.3f}s, versions {join['versions']}")
+        return {"round_s": statistics.median(times), "join_s": join["join_s"],
+                "extra_rss_bytes_per_param": (statistics.median(rss) - standalone_rss) / 25_000_000,
+                "rss_per_round": rss}
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def tiny_part(tmp: Path, steps: int, bytes_steps: int) -> dict:
+    from diloco.node.tasks import make_task
+    from diloco.node.train import new_run
+    from diloco.protocol.identity import Identity
+
+    spec = tmp / "tiny.spec"
+    new_run(Identity.generate(), "tiny-bench").save(spec)  # the default RunSpec
+    alone = [Worker([str(HERE / "_swarm_worker.py"), "tiny", str(steps)]) for _ in range(2)]
+    standalone = statistics.mean(w.event()["steps_per_s"] for w in alone)
+    for w in alone:
+        w.stop()
+
+    def swarm(m: int, n_steps: int) -> list[list[dict]]:
+        args = ["-m", "diloco.node.cli", "join", "--run", str(spec), "--listen", "127.0.0.1:0", "--json",
+                "--steps", str(n_steps), "--progress-every", "10", "--fast-membership"]
+        ws = [Worker(args)]
+        events: list[list[dict]] = [[ws[0].event()]]
+        ws += [Worker([*args, "--peers", events[0][0]["url"]]) for _ in range(m - 1)]
+        events += [[w.event()] for w in ws[1:]]
+        try:
+            for w, evs in zip(ws, events, strict=True):
+                while evs[-1]["event"] != "done":
+                    evs.append(w.event())
+        finally:
+            for w in ws:
+                w.stop()
+        return events
+
+    def speed(evs: list[dict]) -> float:
+        prog = [e for e in evs if e["event"] == "progress"]
+        a, b = prog[len(prog) // 10], prog[-1]
+        return (b["step"] - a["step"]) / (b["t"] - a["t"])
+
+    in_swarm = statistics.mean(speed(evs) for evs in swarm(2, steps))
+    log(f"tiny GPT steps/s: standalone {standalone:.2f}, in a 2-learner swarm {in_swarm:.2f}")
+    four = swarm(4, bytes_steps)
+    per_step = statistics.mean((e[-1]["bytes"]["bytes_in"] + e[-1]["bytes"]["bytes_out"]) / e[-1]["steps"]
+                               for e in four)
+    params = make_task("markov").build_model().num_params()
+    ddp = 2 * 2 * (4 - 1) / 4 * 4 * params
+    return {"overhead_ratio": in_swarm / standalone, "bytes_per_step": per_step, "ddp_bytes_per_step": ddp,
+            "bandwidth_reduction": ddp / per_step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (about a minute or two)")
+    ap.add_argument("--json", action="store_true", help="only the JSON line matters (it is always the last)")
+    args = ap.parse_args()
+    sys.path.insert(0, str(HERE))
+    import _hivemind_swarm as hm
+
+    result: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        result.update(stand_in_part(Path(tmp), rounds=2 if args.quick else 4))
+        result.update(tiny_part(Path(tmp), steps=300 if args.quick else 600, bytes_steps=300 if args.quick else 800))
+    result["raw_transfer_s"] = hm.raw_transfer_s(100_000_000, repeats=3)
+    result["hivemind_allreduce_s"] = hm.hivemind_allreduce_s(25_000_000, 4, repeats=2 if args.quick else 3)
+    result["hivemind_load_state_s"] = hm.hivemind_load_state_s(25_000_000, 4)
+    r = result
+    log(f"round_s {r['round_s']:.3f} vs hivemind all-reduce {r['hivemind_allreduce_s']:.3f} "
+        f"(ratio {r['round_s'] / r['hivemind_allreduce_s']:.2f}, target <= 1)")
+    log(f"join_s {r['join_s']:.3f} vs hivemind load_state {r['hivemind_load_state_s']:.3f} "
+        f"(ratio {r['join_s'] / r['hivemind_load_state_s']:.2f}, target <= 0.5) and raw transfer "
+        f"{r['raw_transfer_s']:.3f} (ratio {r['join_s'] / r['raw_transfer_s']:.1f}, target <= 4)")
+    log(f"overhead_ratio {r['overhead_ratio']:.3f} (target >= 0.90); bandwidth_reduction "
+        f"{r['bandwidth_reduction']:.0f} (target >= 150); extra RSS {r['extra_rss_bytes_per_param']:.2f} B/param "
+        "(target <= 12)")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

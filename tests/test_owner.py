@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from diloco.coordinator.outer import OuterOptimizer
+from diloco.coordinator.owner import FragmentOwner, OwnerSettings, PendingDelta
+from diloco.coordinator.version import GENESIS, Version
+from diloco.protocol.codecs import get_codec
+from diloco.protocol.errors import Malformed, StaleVersion
+
+N = 64
+CODEC = get_codec("fp32")
+
+
+def owner(**kw) -> FragmentOwner:
+    settings = OwnerSettings(**{"quorum": 2, "max_staleness": 2, **kw})
+    return FragmentOwner(0, N, 0, CODEC, OuterOptimizer(0.7, 0.9), settings, term=3, learners={"a", "b"})
+
+
+def delta(learner: str, value: float, base=GENESIS, tokens=100, steps=10, codec=CODEC) -> PendingDelta:
+    meta, payload = codec.encode(torch.full((N,), value) + torch.linspace(0, value, N))
+    return PendingDelta(learner, base, steps, tokens, meta, payload)
+
+
+def test_round_is_ready_when_every_live_learner_reported():
+    o = owner()
+    o.offer(delta("a", 1.0), GENESIS)
+    assert not o.ready()
+    o.offer(delta("b", 1.0), GENESIS)
+    assert o.ready()
+
+
+def test_outer_step_publishes_the_next_version_of_this_term_and_equals_sgd_nesterov():
+    o = owner()
+    o.offer(delta("a", 1.0), GENESIS)
+    o.offer(delta("b", 1.0), GENESIS)
+    anchor = torch.zeros(N)
+    pub = o.step(o.take_round(), anchor, GENESIS)
+    assert pub.base == GENESIS and pub.new == Version(3, 1) and sorted(pub.learners) == ["a", "b"]
+    # equal deltas merge (RDA) to that delta; the first Nesterov step is Θ − lr·(Δ + μΔ)
+    assert torch.allclose(pub.update, -0.7 * 1.9 * (torch.ones(N) + torch.linspace(0, 1, N)))
+    assert torch.equal(anchor, torch.zeros(N)), "the anchor is the caller's to change"
+
+
+def test_deltas_too_stale_are_refused_and_counted():
+    o = owner()
+    with pytest.raises(StaleVersion):
+        o.offer(delta("a", 1.0, base=Version(0, 1)), Version(0, 4))
+    assert o.dropped["stale"] == 1 and not o.pending
+
+
+def test_a_second_delta_of_a_learner_replaces_its_first_in_the_round():
+    o = owner()
+    o.offer(delta("a", 1.0), GENESIS)
+    o.offer(delta("a", 2.0), GENESIS)
+    assert len(o.pending) == 1 and o.dropped["duplicate"] == 1
+
+
+def test_non_finite_or_misshapen_deltas_are_refused_on_arrival():
+    o = owner()
+    meta, payload = CODEC.encode(torch.ones(N - 1))
+    with pytest.raises(Malformed):
+        o.offer(PendingDelta("a", GENESIS, 1, 1, meta, payload), GENESIS)
+    bad = bytearray(CODEC.encode(torch.ones(N))[1])
+    bad[0:4] = torch.tensor([float("nan")]).numpy().tobytes()
+    with pytest.raises(Malformed):
+        o.offer(PendingDelta("a", GENESIS, 1, 1, {"codec": "fp32", "shape": [N]}, bytes(bad)), GENESIS)
+    assert not o.pending
+
+
+def test_deltas_arriving_during_a_step_belong_to_the_next_round():
+    o = owner()
+    o.offer(delta("a", 1.0), GENESIS)
+    batch = o.take_round()
+    o.offer(delta("b", 1.0), GENESIS)
+    o.step(batch, torch.zeros(N), GENESIS)
+    assert list(o.pending) == ["b"]
+
+
+def test_error_feedback_keeps_what_the_codec_dropped_from_the_update():
+    int4 = get_codec("int4")
+    o = FragmentOwner(0, N, 0, int4, OuterOptimizer(0.7, 0.9), OwnerSettings(quorum=1), term=0, learners={"a"})
+    anchor = torch.zeros(N)
+    for _ in range(3):
+        o.offer(delta("a", 0.01 * (1 + torch.rand(1).item()), codec=int4), GENESIS)
+        pub = o.step(o.take_round(), anchor, GENESIS)
+        assert o.residual is not None and o.residual.abs().max() > 0
+        anchor += pub.update
