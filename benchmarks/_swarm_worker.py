@@ -44,6 +44,11 @@ def model_and_optimizer() -> tuple[StandIn, torch.optim.Optimizer]:
     return model, opt
 
 
+def current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def say(**fields) -> None:
     print(json.dumps({**fields, "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}), flush=True)
 
@@ -79,6 +84,9 @@ def main() -> None:
     if role == "tiny":
         tiny_standalone(int(spec_path))
         return
+    from diloco.node.swarm import return_large_buffers_to_os
+
+    return_large_buffers_to_os()  # the allocator setting a learner makes: the baseline gets it too
     model, opt = model_and_optimizer()
     if role == "standalone":
         say(event="ready")
@@ -98,21 +106,25 @@ def main() -> None:
         learner.close()
         return
     g = torch.Generator().manual_seed(hash(learner.identity.peer_id) % 2**31)
+    store = learner.swarm.store
     for line in sys.stdin:
-        if line.strip() != "go":
+        command = line.strip()
+        if command not in ("go", "stagger"):
             break
         target = [v.version + 1 for v in learner.labels]
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 1e-3)
-        sent = time.time()
-        store = learner.swarm.store
         learner._apply_new_versions()
-        for p in range(FRAGMENTS):
+        sent, cpu0 = time.time(), time.process_time()
+        for p in range(FRAGMENTS):  # "go": every fragment at once; "stagger": one after the other, as scheduled
             learner.swarm.submit_delta(p, learner.plan.flatten(p, learner.params), learner.base[p], 1, 1)
+            while command == "stagger" and store.label(p).version < target[p]:
+                time.sleep(0.002)
         while any(store.label(p).version < target[p] for p in range(FRAGMENTS)):
             time.sleep(0.002)
-        say(event="round", sent=sent, have=time.time())
+        learner._apply_new_versions()
+        say(event="round", sent=sent, have=time.time(), rss=current_rss(), cpu_s=time.process_time() - cpu0)
     learner.close()
 
 

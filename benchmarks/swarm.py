@@ -17,8 +17,10 @@ What each key measures (all on loopback, one torch thread per process):
                           a 4-learner tiny-GPT swarm at the default RunSpec
   ddp_bytes_per_step      what a fp32 ring all-reduce moves per step per worker: 2·2(M−1)/M·4·params
   bandwidth_reduction     ddp_bytes_per_step ÷ bytes_per_step
-  extra_rss_bytes_per_param  (peak RSS of a stand-in learner after the rounds − peak RSS of the same process
-                          holding the same model and AdamW state without the swarm) ÷ 25M
+  extra_rss_bytes_per_param  (peak RSS of a stand-in learner after rounds in which fragments go out one after
+                          the other, as the schedule sends them − peak RSS of the same process holding the same
+                          model and AdamW state without the swarm) ÷ 25M
+  rss_growth_bytes_per_param  change of the current RSS between the first and the last of those rounds ÷ 25M
 The last line of stdout is one JSON object with these keys.
 """
 
@@ -93,6 +95,8 @@ def stand_in_spec(path: Path) -> None:
 
 
 def stand_in_part(tmp: Path, rounds: int) -> dict:
+    from _swarm_worker import NUMEL
+
     spec = tmp / "standin.spec"
     stand_in_spec(spec)
     worker = str(HERE / "_swarm_worker.py")
@@ -107,21 +111,30 @@ def stand_in_part(tmp: Path, rounds: int) -> dict:
         for w in workers[1:]:
             w.event()
         time.sleep(3)  # every member record seen by every peer
-        times, rss = [], []
+        # Memory first, under the schedule's load (one fragment after the other), before the all-at-once rounds
+        # below raise the peak: ru_maxrss only ever grows.
+        staggered = []
+        for _ in range(rounds + 1):
+            for w in workers:
+                w.send("stagger")
+            staggered.append([w.event() for w in workers])
+        rss = [e["maxrss"] for e in staggered[-1]]
+        growth = statistics.median(b["rss"] - a["rss"] for a, b in zip(staggered[1], staggered[-1], strict=True))
+        log(f"staggered rounds: peak RSS {[r / 2**20 for r in rss]} MiB, growth {growth / 2**20:.1f} MiB")
+        times = []
         for r in range(rounds):
             for w in workers:
                 w.send("go")
             evs = [w.event() for w in workers]
             times.append(max(e["have"] for e in evs) - max(e["sent"] for e in evs))
-            rss = [e["maxrss"] for e in evs]
-            log(f"round {r}: {times[-1]:.3f}s")
+            log(f"round {r}: {times[-1]:.3f}s, CPU seconds per learner {[round(e['cpu_s'], 2) for e in evs]}")
         joiner = Worker([worker, "joiner", str(spec), url])
         join = joiner.event()
         joiner.proc.wait(60)
         log(f"join: {join['join_s']:.3f}s, versions {join['versions']}")
         return {"round_s": statistics.median(times), "join_s": join["join_s"],
-                "extra_rss_bytes_per_param": (statistics.median(rss) - standalone_rss) / 25_000_000,
-                "rss_per_round": rss}
+                "extra_rss_bytes_per_param": (statistics.median(rss) - standalone_rss) / NUMEL,
+                "rss_growth_bytes_per_param": growth / NUMEL}
     finally:
         for w in workers:
             w.stop()

@@ -22,11 +22,27 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from diloco.protocol.codecs import Codec
 from diloco.protocol.errors import BadSignature, StaleVersion
 
 from .version import GENESIS, Version
 
-KEEP_UPDATES = 8
+KEEP_UPDATES = 1  # update frames kept per fragment for catch-up (each costs 1 B/param at int8)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A tensor kept as the codec bytes it travelled in (1 B/param at int8 instead of 4), decoded on use."""
+
+    codec: Codec
+    meta: dict
+    payload: bytes | memoryview
+
+    def decode(self, numel: int) -> Tensor:
+        return self.codec.decode(self.meta, self.payload, max_elements=numel).reshape(-1)
+
+
+Move = Tensor | Encoded
 
 
 class DigestMismatch(BadSignature):
@@ -45,10 +61,10 @@ class Held:
 
 @dataclass
 class Changes:
-    """θ[p] := replace[p] (a fragment installed whole); θ[p] += moves[p] (the rebase rule); labels after."""
+    """θ[p] := replace[p] (a fragment installed whole); θ[p] += Σ moves[p] (the rebase rule); labels after."""
 
     replace: dict[int, Tensor]
-    moves: dict[int, Tensor]
+    moves: dict[int, list[Move]]
     labels: list[Version]
 
 
@@ -60,9 +76,9 @@ class FragmentStore:
         self.self_id = self_id
         self.lock = threading.Lock()
         self.dirty: set[int] = set()
-        self.pending: dict[int, Tensor] = {}  # p -> what θ[p] must move by at the next step boundary
+        self.pending: dict[int, list[Move]] = {}  # p -> what θ[p] must move by at the next step boundary
         self.replaced: set[int] = set()  # fragments installed whole: θ[p] := Θ_p
-        self.outstanding: dict[int, tuple[Tensor, int]] = {}  # p -> (Δ_sent as merged, inner steps behind it)
+        self.outstanding: dict[int, tuple[Move, int]] = {}  # p -> (Δ_sent as merged, inner steps behind it)
         self.merged_steps = 0  # Σ over fragments of the inner steps of our deltas that reached a version
         self.listeners: list = []  # callables (p, label) notified after each change, on the writer's thread
 
@@ -81,11 +97,13 @@ class FragmentStore:
     def advance(
         self, p: int, base: Version, new: Version, update: Tensor, frame: bytes, cert: bytes,
         expect_digest: bytes | None = None, contributors: tuple[str, ...] | list[str] = (),
+        move: Move | None = None,
     ) -> None:
         """Θ_p := Θ_p + update, moving the label from `base` to `new`; refuses anything but the next step.
 
         With `expect_digest` (the owner's SHA-256 of Θ_p^(new)), the result must match it bit for bit, or
-        nothing changes and `DigestMismatch` says the fragment needs a full download.
+        nothing changes and `DigestMismatch` says the fragment needs a full download. `move` is `update` as
+        the learner will apply it (its encoded form, to keep pending moves small); default `update` itself.
         """
         with self.lock:
             held = self.held[p]
@@ -102,13 +120,13 @@ class FragmentStore:
                 held.anchor.add_(update.reshape(-1))
             held.label, held.cert = new, cert
             held.updates.append((base, new, frame))
-            move = update.reshape(-1).clone()
+            moves: list[Move] = [move if move is not None else update.reshape(-1).clone()]
             if self.self_id in contributors and p in self.outstanding:
                 sent, steps = self.outstanding.pop(p)
-                move.add_(sent)
+                moves.append(sent)
                 self.merged_steps += steps
             if p not in self.replaced:
-                self.pending[p] = self.pending[p].add_(move) if p in self.pending else move
+                self.pending.setdefault(p, []).extend(moves)
             self.dirty.add(p)
         self._notify(p, new)
 
@@ -162,7 +180,7 @@ class FragmentStore:
         with self.lock:
             return anchor_digest(self.held[p].anchor)
 
-    def set_outstanding(self, p: int, base: Version, sent: Tensor, steps: int) -> bool:
+    def set_outstanding(self, p: int, base: Version, sent: Move, steps: int) -> bool:
         """Remember the delta just sent for p (as the owner will merge it) until a version merges it.
         False if the anchor has moved off `base` meanwhile (then the delta must not be sent)."""
         with self.lock:

@@ -37,7 +37,7 @@ class RunSpec:
     grace_gamma: float = 1.0  # γ
     overlap: float = 10.0  # τ, in inner steps
     grace_cap_s: float = 30.0
-    outer_lr: float = 0.7
+    outer_lr: float = 0.35  # DESIGN says 0.7; 0.35 measured better with RDA + rebase (benchmarks/convergence.py)
     outer_momentum: float = 0.9
     codec: str = "int8"
     error_feedback: bool = False

@@ -27,7 +27,7 @@ from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion, Unava
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
-from .fragments import FragmentStore, anchor_digest
+from .fragments import DigestMismatch, Encoded, FragmentStore, anchor_digest
 from .membership import Membership
 from .outer import OuterOptimizer
 from .owner import FragmentOwner, OwnerSettings, PendingDelta
@@ -83,11 +83,11 @@ class Shard:
         self.identity, self.spec, self.plan, self.store = identity, spec, plan, store
         self.members, self.client, self.sync = membership, client, sync
         self.codec = codec or get_codec(spec.codec)
-        self.outer = OuterOptimizer(spec.outer_lr, spec.outer_momentum)
+        self.outer = OuterOptimizer(spec.outer_lr, spec.outer_momentum, nesterov=spec.outer_momentum > 0)
         self.settings = OwnerSettings(spec.quorum, spec.grace_gamma, spec.overlap, spec.grace_cap_s,
                                       spec.max_staleness)
         self.owners: dict[int, FragmentOwner] = {}
-        self.replica_momentum: dict[int, tuple[Version, torch.Tensor | None]] = {}
+        self.replica_momentum: dict[int, tuple[Version, Encoded | None]] = {}  # compressed until a takeover
         self.terms_seen = [0] * len(store)
         self.outer_steps = [0] * len(store)
         self.stats: collections.Counter[str] = collections.Counter()
@@ -108,7 +108,8 @@ class Shard:
         owner = self.owners.get(f.p)
         if owner is None:
             self.stats["deltas_refused_not_owner"] += 1
-            raise Unavailable(f"not the owner of fragment {f.p}; the owner is {self.members.roles(f.p)[0][:8]}")
+            roles = self.members.roles(f.p)
+            raise Unavailable(f"not the owner of fragment {f.p}; the owner is {roles[0][:8] if roles else 'unknown'}")
         pending = PendingDelta(peer_id_of(env.sender), f.base, f.steps, f.tokens, f.codec, bytes(env.payload))
         try:
             owner.offer(pending, self.store.label(f.p))
@@ -143,9 +144,9 @@ class Shard:
     def _acquire(self, p: int, live: set[str]) -> None:
         label = self.store.label(p)
         kept = self.replica_momentum.pop(p, None)
-        momentum = kept[1] if kept is not None and kept[0] == label else None
-        term = next_term(max(label.term, self.terms_seen[p]), self.members.peer_id)
         frag = self.plan.fragments[p]
+        momentum = kept[1].decode(frag.numel) if kept is not None and kept[0] == label and kept[1] else None
+        term = next_term(max(label.term, self.terms_seen[p]), self.members.peer_id)
         self.owners[p] = FragmentOwner(p, frag.numel, frag.embedding_numel, self.codec, self.outer, self.settings,
                                        term, momentum, live)
         if label != GENESIS:
@@ -215,7 +216,8 @@ class Shard:
             # set differed for a moment): the version with the higher (term, version) stands.
             self.stats["publications_abandoned"] += 1
             return
-        self.store.advance(p, pub.base, pub.new, pub.update, frame, env.prefix(), contributors=pub.learners)
+        self.store.advance(p, pub.base, pub.new, pub.update, frame, env.prefix(), contributors=pub.learners,
+                           move=Encoded(self.codec, pub.meta, pub.payload))
         self.outer_steps[p] += 1
         self.stats["outer_steps"] += 1
         await self._push(env, exclude=replicated | {self.members.peer_id})
@@ -305,9 +307,11 @@ class Shard:
             update = self.sync.verifier.open(bytes(head), fresh=False)
             try:
                 self.sync.apply_update(update)
-            except StaleVersion as e:
-                raise StaleVersion(f"replica is behind ({e}); send the full state") from None
-            momentum = self.codec.decode(f.momentum, rest, max_elements=numel) if f.momentum else None
+            except (StaleVersion, DigestMismatch) as e:
+                raise StaleVersion(f"replica cannot apply this update ({e}); send the full state") from None
+            momentum = Encoded(self.codec, f.momentum, bytes(rest)) if f.momentum else None
+            if momentum is not None:
+                momentum.decode(numel)  # refuse a malformed payload now, not at the takeover
         else:
             if len(rest) != 8 * numel:
                 raise Malformed(f"full replication of fragment {f.p} must carry {8 * numel} bytes of state")
@@ -318,9 +322,9 @@ class Shard:
                 raise Malformed("full replication does not match its certificate")
             if f.label > self.store.label(f.p):
                 self.store.install(f.p, anchor, f.label, bytes(head))
-            momentum = torch.frombuffer(rest[4 * numel :], dtype=torch.float32).clone()
-        if momentum is not None and not bool(torch.isfinite(momentum).all()):
-            raise Malformed("replicated momentum holds non-finite values")
+            fp32 = get_codec("fp32")
+            momentum = Encoded(fp32, {"codec": "fp32", "shape": [numel]}, bytes(rest[4 * numel :]))
+            momentum.decode(numel)  # the fp32 codec refuses non-finite values
         self.replica_momentum[f.p] = (f.label, momentum)
         self.stats["replications_received"] += 1
         return b"ok"

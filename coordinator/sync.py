@@ -25,7 +25,7 @@ from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
-from .fragments import DigestMismatch, FragmentStore, anchor_digest
+from .fragments import DigestMismatch, Encoded, FragmentStore, Move, anchor_digest
 from .membership import Membership
 from .runspec import RunSpec
 from .version import Version
@@ -89,10 +89,12 @@ class FragmentSync:
         if f.base != held:
             raise StaleVersion(f"fragment {f.p} is at {held}; this update applies to {f.base}")
         update = self.codec.decode(f.codec, env.payload, max_elements=self.store.numel(f.p)).reshape(-1)
-        if update.numel() != self.store.numel(f.p) or not bool(torch.isfinite(update).all()):
-            raise Malformed(f"update for fragment {f.p} has the wrong size or non-finite values")
-        self.store.advance(f.p, f.base, f.new, update, env.to_bytes(), env.prefix(), expect_digest=f.digest,
-                           contributors=f.learners)
+        if update.numel() != self.store.numel(f.p):  # (the codecs never decode to non-finite values)
+            raise Malformed(f"update for fragment {f.p} has {update.numel()} elements, not {self.store.numel(f.p)}")
+        frame = env.to_bytes()
+        move = Encoded(self.codec, f.codec, memoryview(frame)[env.frame_size() - len(env.payload):])
+        self.store.advance(f.p, f.base, f.new, update, frame, env.prefix(), expect_digest=f.digest,
+                           contributors=f.learners, move=move)
         self.versions_accepted += 1
         return True
 
@@ -257,10 +259,11 @@ class FragmentSync:
         delta = anchor.sub_(live_fragment)
         if self.feedback is not None:  # the residual carries what the codec dropped; θ[p] gives up all of Δ
             meta, payload = self.feedback.encode(str(p), delta)
-            merged = delta
+            merged: Move = delta
         else:  # what the codec dropped stays in θ[p] and goes out with the next delta
             meta, payload = self.codec.encode(delta)
-            merged = self.codec.decode(meta, payload, max_elements=delta.numel()).reshape(-1)
+            merged = Encoded(self.codec, meta, payload)
+            del delta
         if not self.store.set_outstanding(p, base, merged, steps):
             self.stats["deltas_dropped_moved"] += 1
             return False
@@ -275,7 +278,10 @@ class FragmentSync:
         """Send a delta to owner(p), then to the next owner if that one is gone. True once one accepted it."""
         fields = DeltaFields(p, base, steps, tokens, meta).to_fields()
         for _ in range(1 + self.spec.replicas):
-            owner = self.members.roles(p)[0]
+            roles = self.members.roles(p)
+            if not roles:
+                break
+            owner = roles[0]
             env = seal(self.identity, DELTA, self.spec.run_id, fields, payload)
             try:
                 if owner == self.members.peer_id and self.on_local_delta is not None:

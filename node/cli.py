@@ -165,7 +165,7 @@ def _load_run(path: Path):
 @click.option("--inner-steps", default=100, show_default=True, help="H: inner steps between two deltas of a fragment.")
 @click.option("--quorum", default=2, show_default=True, help="K: minimum learners merged per outer step.")
 @click.option("--codec", default="int8", show_default=True, help="Codec of deltas and updates (int8, int4, bf16, ...).")
-@click.option("--outer-lr", default=0.7, show_default=True)
+@click.option("--outer-lr", default=0.35, show_default=True, help="Outer (Nesterov SGD) learning rate.")
 @click.option("--outer-momentum", default=0.9, show_default=True)
 @click.option("--max-staleness", default=4, show_default=True, help="Deltas older than this many versions are dropped.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the initial parameters.")

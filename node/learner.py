@@ -48,6 +48,17 @@ def genesis_digest(plan: FragmentPlan, model: torch.nn.Module) -> bytes:
     return h.digest()
 
 
+def create_run(creator: Identity, name: str, network: torch.nn.Module, **fields) -> Genesis:
+    """A signed RunSpec (`fields` are RunSpec's) for `network`: its fragment plan and initial parameters are
+    pinned in the spec, so a learner with another model or init is refused at `start()`."""
+    import dataclasses
+
+    spec = RunSpec(name, **fields)
+    plan = FragmentPlan.from_module(network, spec.fragments)
+    spec = dataclasses.replace(spec, plan_digest=plan.digest(), genesis_digest=genesis_digest(plan, network))
+    return Genesis.create(creator, spec)
+
+
 class Learner:
     """One learner of a Decoupled DiLoCo run."""
 
@@ -163,8 +174,11 @@ class Learner:
             self.plan.unflatten_into(p, anchor, self.params)
             self.overwritten_steps += self.c_steps[p]
             self.c_steps[p] = self.c_tokens[p] = 0
-        for p, move in changes.moves.items():
-            self.plan.unflatten_into(p, self.plan.flatten(p, self.params).add_(move), self.params)
+        for p, moves in changes.moves.items():
+            live = self.plan.flatten(p, self.params)
+            for move in moves:
+                live.add_(move if isinstance(move, torch.Tensor) else move.decode(live.numel()))
+            self.plan.unflatten_into(p, live, self.params)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
 

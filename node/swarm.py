@@ -38,6 +38,28 @@ log = logging.getLogger(__name__)
 ROUTE_REACH = "/v1/reach"
 
 
+LARGE_BUFFER_BYTES = 4 << 20
+
+
+def return_large_buffers_to_os() -> None:
+    """glibc: serve allocations of 4 MiB and more with their own mmap, returned to the OS when freed.
+
+    The swarm allocates fragment-sized buffers (deltas, updates, digests) on two threads. glibc's default
+    raises its mmap threshold after such a buffer is freed, so later ones land in heap arenas that are never
+    given back: measured on the 25M stand-in, +724 MiB of RSS after one round instead of +274 MiB. Setting
+    the threshold once fixes it (and stops the dynamic adjustment). Small allocations are unaffected; no-op
+    off glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None or "libc.so" not in name:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(name).mallopt(-3, LARGE_BUFFER_BYTES)  # M_MMAP_THRESHOLD
+
+
 class JoinError(Exception):
     """The swarm could not be joined; the message says why and what to try."""
 
@@ -101,6 +123,7 @@ class Swarm:
 
     def start(self) -> None:
         """Join the run and sync every fragment; returns once training may begin. Raises `JoinError`."""
+        return_large_buffers_to_os()
         self._thread = threading.Thread(target=self._thread_main, name="diloco-swarm", daemon=True)
         self._thread.start()
         if not self._ready.wait(self.config.join_timeout_s + 30):

@@ -5,7 +5,6 @@ This is an ordinary user of the Python API (`Learner`), the same loop an example
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import sys
@@ -16,11 +15,10 @@ from typing import Any
 
 import torch
 
-from diloco.coordinator.plan import FragmentPlan
 from diloco.coordinator.runspec import Genesis, RunSpec
 from diloco.protocol.identity import Identity
 
-from .learner import Learner, genesis_digest
+from .learner import Learner, create_run
 from .swarm import SwarmConfig
 from .tasks import Task, evaluate, make_task
 
@@ -37,12 +35,8 @@ def task_of(spec: RunSpec, data: str | None = None) -> Task:
 
 
 def new_run(creator: Identity, name: str, **fields: Any) -> Genesis:
-    """A signed RunSpec whose plan and genesis digests come from the task's model."""
-    spec = RunSpec(name, **fields)
-    model = task_of(spec).build_model()
-    plan = FragmentPlan.from_module(model, spec.fragments)
-    spec = dataclasses.replace(spec, plan_digest=plan.digest(), genesis_digest=genesis_digest(plan, model))
-    return Genesis.create(creator, spec)
+    """A signed RunSpec of a built-in task, pinned to the task's model (see `learner.create_run`)."""
+    return create_run(creator, name, task_of(RunSpec(name, **fields)).build_model(), **fields)
 
 
 @dataclass

@@ -155,7 +155,7 @@ class PeerServer:
                 resp = error_response(e.status, e.reason)
             except web.HTTPException as e:
                 resp = e
-            except (ConnectionResetError, asyncio.IncompleteReadError, aiohttp.ClientPayloadError):
+            except (ConnectionError, asyncio.IncompleteReadError, aiohttp.ClientPayloadError):
                 resp = error_response(400, "request body ended early")
             except Exception:
                 log.exception("handler for %s failed", route)
@@ -264,6 +264,7 @@ class PeerClient:
         self, method: str, url: str, path: str, body, nbytes: int, deadline_s: float | None, max_response: int
     ) -> bytes | bytearray:
         link = self.link(url)
+        path_label = route_label(path)
         deadline = deadline_s if deadline_s is not None else link.deadline(nbytes)
         data = body if isinstance(body, bytes) else _stream(body)
         headers = {"Content-Length": str(nbytes), "Content-Type": "application/octet-stream"}
@@ -279,20 +280,26 @@ class PeerClient:
                     if resp.status >= 400:
                         raise RemoteError(resp.status, bytes(out[:500]).decode("utf-8", "replace").strip(), url)
         except TimeoutError:
-            self.counters.record("sent", path, received, nbytes, False)
+            self.counters.record("sent", path_label, received, nbytes, False)
             raise DeadlineExceeded(f"{url}{path} gave no complete answer within {deadline:.2f}s") from None
         except aiohttp.ClientError as e:
-            self.counters.record("sent", path, received, nbytes, False)
+            self.counters.record("sent", path_label, received, nbytes, False)
             raise PeerUnreachable(f"{url}{path}: {type(e).__name__}: {e}") from None
         except OSError as e:
-            self.counters.record("sent", path, received, nbytes, False)
+            self.counters.record("sent", path_label, received, nbytes, False)
             raise PeerUnreachable(f"{url}{path}: {e.strerror or e}") from None
         except TransportError:
-            self.counters.record("sent", path, received, nbytes, False)
+            self.counters.record("sent", path_label, received, nbytes, False)
             raise
         link.observe(time.monotonic() - start, nbytes + received)
-        self.counters.record("sent", path, received, nbytes, True)
+        self.counters.record("sent", path_label, received, nbytes, True)
         return out
+
+
+def route_label(path: str) -> str:
+    """The counter key of a request path: query dropped, numeric segments as {n} (one key per route)."""
+    parts = path.split("?", 1)[0].split("/")
+    return "/".join("{n}" if part.isdigit() else part for part in parts)
 
 
 async def _read_body(resp: aiohttp.ClientResponse, limit: int, where: str) -> bytearray:
