@@ -189,6 +189,14 @@ class FragmentStore:
             self.outstanding[p] = (sent, steps)
             return True
 
+    def delta(self, p: int, base: Version, live: Tensor) -> Tensor | None:
+        """Δ_p = Θ_p − θ[p], written into `live` (the learner's snapshot of θ[p]); None if Θ_p has moved off
+        `base` since the snapshot was taken."""
+        with self.lock:
+            if self.held[p].label != base:
+                return None
+            return torch.sub(self.held[p].anchor, live, out=live)
+
     def drop_outstanding(self, p: int) -> None:
         """The delta was not accepted: its progress stays in θ[p] and goes out with the next one."""
         with self.lock:

@@ -95,7 +95,12 @@ class FragmentOwner:
             self.dropped["codec"] += 1
             raise Malformed(f"fragment {self.p} takes codec {self.codec.name!r}, got {delta.meta.get('codec')!r}")
         try:
-            self._decode_one(delta)
+            if getattr(self.codec, "finite_when_checked", False):  # cheap: no decode until the outer step
+                numel = self.codec.check(delta.meta, delta.payload, max_elements=self.numel)
+            else:
+                numel = self._decode_one(delta).numel()
+            if numel != self.numel:
+                raise Malformed(f"delta has {numel} elements, fragment {self.p} has {self.numel}")
         except ProtocolError:
             self.dropped["invalid"] += 1
             raise

@@ -306,7 +306,7 @@ class Shard:
         if not f.full:
             update = self.sync.verifier.open(bytes(head), fresh=False)
             try:
-                self.sync.apply_update(update)
+                self.sync.apply_update(update, verify=True)
             except (StaleVersion, DigestMismatch) as e:
                 raise StaleVersion(f"replica cannot apply this update ({e}); send the full state") from None
             momentum = Encoded(self.codec, f.momentum, bytes(rest)) if f.momentum else None

@@ -206,13 +206,26 @@ class _FlatCodec(Codec):
         max_elements: int = DEFAULT_MAX_ELEMENTS,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        shape, numel, block, view = self._checked(meta, data, max_elements)
+        result, flat = output_tensor(shape, numel, out)
+        self._decode_into(view, numel, block, flat)
+        return result
+
+    # True when `check` alone proves the payload decodes to finite values (blockwise codecs: checked scales
+    # times bounded codes); raw float codecs must decode to find a NaN.
+    finite_when_checked: ClassVar[bool] = False
+
+    def check(self, meta: dict[str, Any], data: Payload, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> int:
+        """Every check `decode` makes before decoding the values (meta, exact length, scales); returns numel.
+        Cheap: for a receiver that keeps the bytes and decodes them later."""
+        return self._checked(meta, data, max_elements)[1]
+
+    def _checked(self, meta: dict[str, Any], data: Payload, max_elements: int):
         shape, numel = check_meta(meta, self.name, max_elements)
         block = check_block(meta, self.name, even=self.even_block) if self.block else 0
         view = payload_view(data, self.name, self._payload_len(numel, block))
         self._check_payload(view, numel, block)
-        result, flat = output_tensor(shape, numel, out)
-        self._decode_into(view, numel, block, flat)
-        return result
+        return shape, numel, block, view
 
     def encoded_size(self, numel: int) -> int:
         return self._payload_len(numel, self.block)
@@ -312,6 +325,8 @@ class Int8Codec(_FlatCodec):
     is negative, non-finite or above float32_max/127, so its output is always finite.
     """
 
+    finite_when_checked = True
+
     name = "int8"
 
     def __init__(self, block: int = 512) -> None:
@@ -355,6 +370,8 @@ class Int4Codec(_FlatCodec):
     Payload: `nblocks` scales as uint16 (bfloat16 bits), then ceil(numel/2) bytes: element 2i in the low
     nibble of byte i, element 2i+1 in the high nibble; for odd numel the last high nibble is zero.
     """
+
+    finite_when_checked = True
 
     name = "int4"
     levels: ClassVar[np.ndarray] = K.NF4_LEVELS
