@@ -119,10 +119,15 @@ def main() -> None:
         sent, cpu0 = time.time(), time.process_time()
         for p in range(FRAGMENTS):  # "go": every fragment at once; "stagger": one after the other, as scheduled
             learner.swarm.submit_delta(p, learner.plan.flatten(p, learner.params), learner.base[p], 1, 1)
-            while command == "stagger" and store.label(p).version < target[p]:
+            stop = time.monotonic() + 60
+            while command == "stagger" and store.label(p).version < target[p] and time.monotonic() < stop:
                 time.sleep(0.002)
-        while any(store.label(p).version < target[p] for p in range(FRAGMENTS)):
+        deadline = time.monotonic() + 120
+        while any(store.label(p).version < target[p] for p in range(FRAGMENTS)) and time.monotonic() < deadline:
             time.sleep(0.002)
+        if time.monotonic() >= deadline:
+            say(event="stalled", labels=[str(v) for v in learner.labels], target=target)
+            break
         learner._apply_new_versions()
         say(event="round", sent=sent, have=time.time(), rss=current_rss(), cpu_s=time.process_time() - cpu0)
     learner.close()

@@ -94,6 +94,14 @@ def stand_in_spec(path: Path) -> None:
     Genesis.create(Identity.generate(), spec).save(path)
 
 
+def _round_events(workers: list[Worker]) -> list[dict]:
+    evs = [w.event() for w in workers]
+    stalled = [e for e in evs if e["event"] != "round"]
+    if stalled:
+        raise RuntimeError(f"a round did not complete within its deadline: {stalled}")
+    return evs
+
+
 def stand_in_part(tmp: Path, rounds: int) -> dict:
     from _swarm_worker import NUMEL
 
@@ -117,7 +125,7 @@ def stand_in_part(tmp: Path, rounds: int) -> dict:
         for _ in range(rounds + 1):
             for w in workers:
                 w.send("stagger")
-            staggered.append([w.event() for w in workers])
+            staggered.append(_round_events(workers))
         rss = [e["maxrss"] for e in staggered[-1]]
         growth = statistics.median(b["rss"] - a["rss"] for a, b in zip(staggered[1], staggered[-1], strict=True))
         log(f"staggered rounds: peak RSS {[r / 2**20 for r in rss]} MiB, growth {growth / 2**20:.1f} MiB")
@@ -125,7 +133,7 @@ def stand_in_part(tmp: Path, rounds: int) -> dict:
         for r in range(rounds):
             for w in workers:
                 w.send("go")
-            evs = [w.event() for w in workers]
+            evs = _round_events(workers)
             times.append(max(e["have"] for e in evs) - max(e["sent"] for e in evs))
             log(f"round {r}: {times[-1]:.3f}s, CPU seconds per learner {[round(e['cpu_s'], 2) for e in evs]}")
         joiner = Worker([worker, "joiner", str(spec), url])

@@ -216,17 +216,18 @@ class FragmentSync:
                 self.stats["full_downloads"] += 1
         return True
 
-    async def newest_versions(self) -> list[Version | None]:
-        """Per fragment, the newest version its owners announced in the DHT (None if none did)."""
-        async def one(p: int) -> Version | None:
+    async def newest_versions(self) -> list[tuple[Version, str] | None]:
+        """Per fragment, the newest version announced in the DHT and the peer that announced it (its owner
+        then), or None. That peer holds the version, so it is the first to ask for it."""
+        async def one(p: int) -> tuple[Version, str] | None:
             raw = await self.members.dht.get(frag_key(self.spec.run_id, p), latest=True)
-            versions = []
-            for value, _ in (raw or {}).values() if isinstance(raw, dict) else []:
+            found = []
+            for peer, (value, _) in (raw.items() if isinstance(raw, dict) else []):
                 try:
-                    versions.append(FragRecord.decode(value).version)
+                    found.append((FragRecord.decode(value).version, peer))
                 except ProtocolError:
                     continue
-            return max(versions, default=None)
+            return max(found, default=None)
 
         return list(await asyncio.gather(*(one(p) for p in range(self.P))))
 
@@ -234,16 +235,16 @@ class FragmentSync:
         """Bring every fragment to the newest announced version, downloading them in parallel from different
         holders. Returns the fragments still behind (empty when fully synced)."""
         newest = await self.newest_versions()
-        behind = [p for p, v in enumerate(newest) if v is not None and v > self.store.label(p)]
+        behind = [p for p, v in enumerate(newest) if v is not None and v[0] > self.store.label(p)]
         live = [m.peer_id for m in self.members.live() if m.peer_id != self.members.peer_id and not m.client_mode]
         random.shuffle(live)
 
         async def one(i: int, p: int) -> None:
             order = [*live[i % max(len(live), 1):], *live[: i % max(len(live), 1)]]
-            await self._catch_up(p, order)
+            await self._catch_up(p, [newest[p][1], *order])
 
         await asyncio.gather(*(one(i, p) for i, p in enumerate(behind)))
-        return [p for p, v in enumerate(newest) if v is not None and v > self.store.label(p)]
+        return [p for p, v in enumerate(newest) if v is not None and v[0] > self.store.label(p)]
 
     # -- sending --------------------------------------------------------------------------------------------
 

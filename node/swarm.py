@@ -261,9 +261,9 @@ class Swarm:
             await asyncio.sleep(1.0 if self.client_mode else self.config.watch_s)
             with contextlib.suppress(TransportError, Exception):
                 newest = await self.sync.newest_versions()
-                for p, v in enumerate(newest):
-                    if v is not None and v > self.store.label(p):
-                        self.sync.catch_up(p, self.members.roles(p))
+                for p, found in enumerate(newest):
+                    if found is not None and found[0] > self.store.label(p):
+                        self.sync.catch_up(p, [found[1], *self.members.roles(p)])
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
