@@ -89,6 +89,7 @@ class Shard:
         self.owners: dict[int, FragmentOwner] = {}
         self.replica_momentum: dict[int, tuple[Version, Encoded | None]] = {}  # compressed until a takeover
         self.terms_seen = [0] * len(store)
+        self.momentum_source: dict[int, str] = {}  # p -> where the momentum of an owned fragment came from
         self.outer_steps = [0] * len(store)
         self.stats: collections.Counter[str] = collections.Counter()
         self.verifier = EnvelopeVerifier(spec.run_id, is_member=spec.is_member, kinds={DELTA, REPLICATE})
@@ -149,6 +150,7 @@ class Shard:
         term = next_term(max(label.term, self.terms_seen[p]), self.members.peer_id)
         self.owners[p] = FragmentOwner(p, frag.numel, frag.embedding_numel, self.codec, self.outer, self.settings,
                                        term, momentum, live)
+        self.momentum_source[p] = "replica" if momentum is not None else "fresh"
         if label != GENESIS:
             self.stats["takeovers"] += 1
             if momentum is None:
@@ -327,6 +329,14 @@ class Shard:
             momentum.decode(numel)  # the fp32 codec refuses non-finite values
         self.replica_momentum[f.p] = (f.label, momentum)
         self.stats["replications_received"] += 1
+        owner = self.owners.get(f.p)
+        if f.full and owner is not None and owner.momentum is None and momentum is not None \
+                and f.label == self.store.label(f.p):
+            # A handoff that arrived after we took the fragment over (the old owner saw the new member set
+            # later than we did): the momentum is still the one that belongs to this version.
+            owner.momentum = momentum.decode(self.store.numel(f.p))
+            self.momentum_source[f.p] = "handed over"
+            self.stats["momentum_adopted_after_takeover"] += 1
         return b"ok"
 
     def _spawn(self, coro) -> None:

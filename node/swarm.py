@@ -300,7 +300,8 @@ class Swarm:
             "synced": pr.synced,
             "fragments": [
                 {"p": p, "version": str(self.store.label(p)), "roles": self.members.roles(p) if self.members else [],
-                 "outer_steps": self.shard.outer_steps[p] if self.shard else 0}
+                 "outer_steps": self.shard.outer_steps[p] if self.shard else 0,
+                 "momentum": self.shard.momentum_source.get(p) if self.shard and p in self.shard.owners else None}
                 for p in range(len(self.store))
             ],
             "members": [{"peer_id": m.peer_id, "url": m.url, "step": m.record.step, "region": m.record.region,
