@@ -61,9 +61,10 @@ class Held:
 
 @dataclass
 class Changes:
-    """θ[p] := replace[p] (a fragment installed whole); θ[p] += Σ moves[p] (the rebase rule); labels after."""
+    """θ[p] := Θ_p for p in `replace` (installed whole: copy the anchor under the store's lock);
+    θ[p] += Σ moves[p] (the rebase rule); `labels`: the versions θ is based on afterwards."""
 
-    replace: dict[int, Tensor]
+    replace: set[int]
     moves: dict[int, list[Move]]
     labels: list[Version]
 
@@ -80,6 +81,8 @@ class FragmentStore:
         self.replaced: set[int] = set()  # fragments installed whole: θ[p] := Θ_p
         self.outstanding: dict[int, tuple[Move, int]] = {}  # p -> (Δ_sent as merged, inner steps behind it)
         self.merged_steps = 0  # Σ over fragments of the inner steps of our deltas that reached a version
+        self.keep_frames: set[int] | None = None  # fragments whose update frames to keep (None: all); the shard
+        # sets it to the fragments this peer owns or replicates, the holders that learners catch up from
         self.listeners: list = []  # callables (p, label) notified after each change, on the writer's thread
 
     def __len__(self) -> int:
@@ -119,7 +122,8 @@ class FragmentStore:
             else:
                 held.anchor.add_(update.reshape(-1))
             held.label, held.cert = new, cert
-            held.updates.append((base, new, frame))
+            if self.keep_frames is None or p in self.keep_frames:
+                held.updates.append((base, new, frame))
             moves: list[Move] = [move if move is not None else update.reshape(-1).clone()]
             if self.self_id in contributors and p in self.outstanding:
                 sent, steps = self.outstanding.pop(p)
@@ -205,8 +209,7 @@ class FragmentStore:
     def take_changes(self) -> Changes:
         """For the training thread, at a step boundary: what to do to θ, and the labels θ is then based on."""
         with self.lock:
-            out = Changes({p: self.held[p].anchor.clone() for p in self.replaced}, self.pending,
-                          [h.label for h in self.held])
+            out = Changes(self.replaced, self.pending, [h.label for h in self.held])
             self.pending, self.replaced, self.dirty = {}, set(), set()
             return out
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from diloco.protocol.dht.node import DHTNode
 from diloco.protocol.errors import ProtocolError
 from diloco.protocol.identity import peer_id_of
-from diloco.protocol.transport import TransportError
+from diloco.protocol.transport import PeerUnreachable, TransportError
 
 from .ownership import owners
 from .runspec import RunSpec
@@ -91,8 +91,15 @@ class Membership:
         joiner still downloading must not own a fragment it does not have yet)."""
         return owners(self.spec.run_id, p, [m for m in self.live() if m.record.synced], self.spec.replicas)
 
+    def failed(self, peer_id: str, error: Exception) -> None:
+        """A request to `peer_id` failed. A refused or reset connection (a dead process) makes it a suspect at
+        once; a slow answer does not (on a loaded machine a live peer can miss a deadline, and suspecting it
+        would move its fragments back and forth)."""
+        if isinstance(error, PeerUnreachable):
+            self.suspect(peer_id)
+
     def suspect(self, peer_id: str) -> None:
-        """A request to `peer_id` failed: route around it until it refreshes its record."""
+        """Route around `peer_id` until it refreshes its record."""
         m = self.members.get(peer_id)
         if m is None or peer_id == self.peer_id or peer_id in self.suspects:
             return

@@ -16,11 +16,13 @@ import collections
 import contextlib
 import hashlib
 import logging
+import struct
 import time
 
 import torch
 from aiohttp import web
 
+from diloco.protocol import canonical
 from diloco.protocol.codecs import Codec, get_codec
 from diloco.protocol.envelope import Envelope, EnvelopeVerifier, seal
 from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion, Unavailable
@@ -55,6 +57,20 @@ FRAG_RECORD_TTL_S = 3600.0
 
 
 TERM_SLOTS = 1 << 16
+
+
+ROUTE_MOMENTUM = "/v1/momentum/{p}"
+
+
+def _split_momentum(body: bytes) -> tuple[dict, bytes]:
+    """Body of GET /v1/momentum: u32 big-endian length of the codec meta (canonical msgpack), meta, payload."""
+    if len(body) < 4:
+        raise Malformed("momentum answer shorter than its length prefix")
+    (n,) = struct.unpack(">I", body[:4])
+    meta = canonical.unpackb(body[4 : 4 + n], max_len=4096)
+    if not isinstance(meta, dict):
+        raise Malformed("momentum meta must be a map")
+    return meta, bytes(body[4 + n :])
 
 
 def next_term(seen: int, peer_id: str) -> int:
@@ -96,9 +112,11 @@ class Shard:
         self._wake: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stepping: set[int] = set()
+        self._probing: set[str] = set()
         self.enabled = False  # becomes True once the membership view has been read at least once
         server.add_envelope_route(ROUTE_DELTA, self.verifier, self._on_delta, kinds={DELTA})
         server.add_envelope_route(ROUTE_REPLICATE, self.verifier, self._on_replicate, kinds={REPLICATE})
+        server.add_route("GET", ROUTE_MOMENTUM, self._serve_momentum)
         sync.on_local_delta = self.accept_delta
         membership.on_change.append(self.reassign)
 
@@ -110,6 +128,10 @@ class Shard:
         if owner is None:
             self.stats["deltas_refused_not_owner"] += 1
             roles = self.members.roles(f.p)
+            if len(roles) > 1 and self.members.peer_id in roles[1:] and roles[0] not in self._probing:
+                # Learners think we own p: the owner we know may be gone. Check it now, not at its TTL.
+                self._probing.add(roles[0])
+                self._spawn(self._probe(roles[0]))
             raise Unavailable(f"not the owner of fragment {f.p}; the owner is {roles[0][:8] if roles else 'unknown'}")
         pending = PendingDelta(peer_id_of(env.sender), f.base, f.steps, f.tokens, f.codec, bytes(env.payload))
         try:
@@ -132,14 +154,18 @@ class Shard:
             return
         live = self.members.live_learners()
         me = self.members.peer_id
+        holding: set[int] = set()
         for p in range(len(self.store)):
             roles = self.members.roles(p)
+            if me in roles:
+                holding.add(p)
             if roles and roles[0] == me and p not in self.owners:
                 self._acquire(p, live)
             elif (not roles or roles[0] != me) and p in self.owners:
                 self._release(p, roles[0] if roles else None)
             if p in self.owners:
                 self.owners[p].tracker.set_expected(live)
+        self.store.keep_frames = holding
         self._poke()
 
     def _acquire(self, p: int, live: set[str]) -> None:
@@ -157,6 +183,41 @@ class Shard:
                 self.stats["takeovers_without_momentum"] += 1
         log.info("now owner of fragment %d at %s (term %d, momentum %s)", p, label, term,
                  "kept" if momentum is not None else "fresh")
+        if momentum is None and label != GENESIS:
+            self._spawn(self._pull_momentum(p, label))
+
+    async def _pull_momentum(self, p: int, label: Version) -> None:
+        """Taken over without the momentum of this version (member views differed, so the owner replicated
+        to another peer): ask the other live members for it (GET /v1/momentum/{p}?label=T.V)."""
+        for m in self.members.live():
+            owner = self.owners.get(p)
+            if owner is None or owner.momentum is not None or self.store.label(p) != label:
+                return
+            if m.peer_id == self.members.peer_id or m.client_mode or not m.url:
+                continue
+            try:
+                body = await self.client.request("GET", m.url, f"/v1/momentum/{p}?label={label}", deadline_s=10.0,
+                                                 max_response=self.store.numel(p) * 4 + 4096)
+            except TransportError:
+                continue
+            meta, payload = _split_momentum(body)
+            momentum = Encoded(self.codec, meta, payload).decode(self.store.numel(p))
+            if owner.momentum is None and self.store.label(p) == label:
+                owner.momentum = momentum
+                self.momentum_source[p] = "pulled"
+                self.stats["momentum_pulled_after_takeover"] += 1
+            return
+
+    async def _serve_momentum(self, request: web.Request) -> web.Response:
+        """GET /v1/momentum/{p}?label=T.V: the replicated momentum of that version, if this peer holds it."""
+        raw = request.match_info["p"]
+        if not raw.isdigit() or int(raw) >= len(self.store):
+            raise Malformed(f"no fragment {raw!r}")
+        kept = self.replica_momentum.get(int(raw))
+        if kept is None or kept[1] is None or str(kept[0]) != request.query.get("label"):
+            return web.Response(status=404, text="no replicated momentum of that version here\n")
+        head = canonical.packb(kept[1].meta)
+        return web.Response(body=struct.pack(">I", len(head)) + head + bytes(kept[1].payload))
 
     def _release(self, p: int, new_owner: str | None) -> None:
         owner = self.owners.pop(p)
@@ -237,8 +298,8 @@ class Shard:
                     await self.client.send_envelope(member.url, ROUTE_UPDATE, env)
                 except RemoteError as e:
                     self.stats[f"push_refused_{e.status}"] += 1
-                except TransportError:
-                    self.members.suspect(member.peer_id)
+                except TransportError as e:
+                    self.members.failed(member.peer_id, e)
                     self.stats["push_failed"] += 1
 
         await asyncio.gather(*(one(m) for m in self.members.live()
@@ -270,8 +331,8 @@ class Shard:
                     full = await self._send_full(p, peer, owner.term, owner.momentum, update.prefix(), anchor)
                     return peer if full else None
                 self.stats[f"replicate_refused_{e.status}"] += 1
-            except TransportError:
-                self.members.suspect(peer)
+            except TransportError as e:
+                self.members.failed(peer, e)
             return None
 
         acked = {r for r in await asyncio.gather(*(one(r) for r in replicas)) if r is not None}
@@ -338,6 +399,19 @@ class Shard:
             self.momentum_source[f.p] = "handed over"
             self.stats["momentum_adopted_after_takeover"] += 1
         return b"ok"
+
+    async def _probe(self, peer: str) -> None:
+        """Suspect `peer` (which moves its fragments to their replicas) if it does not answer within 2 s."""
+        try:
+            url = self.members.url(peer)
+            if url is not None:
+                await self.client.request("GET", url, "/v1/status", deadline_s=2.0, max_response=1 << 22)
+        except RemoteError:
+            pass  # it answered: alive
+        except TransportError:
+            self.members.suspect(peer)
+        finally:
+            self._probing.discard(peer)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -25,7 +25,7 @@ from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
-from .fragments import DigestMismatch, Encoded, FragmentStore, Move, anchor_digest
+from .fragments import KEEP_UPDATES, DigestMismatch, Encoded, FragmentStore, Move, anchor_digest
 from .membership import Membership
 from .runspec import RunSpec
 from .version import Version
@@ -157,15 +157,18 @@ class FragmentSync:
             self._catching_up[p] = task
         return task
 
-    async def _catch_up(self, p: int, sources: list[str]) -> bool:
+    async def _catch_up(self, p: int, sources: list[str], target: Version | None = None) -> bool:
+        """Fetch the versions of p we miss from the first holder that has them: the kept updates when the gap is
+        small (`target` within KEEP_UPDATES versions, or unknown), else the whole fragment."""
         holders = [s for s in dict.fromkeys([*sources, *self.members.roles(p)]) if s != self.members.peer_id]
+        small_gap = target is None or target.version - self.store.label(p).version <= KEEP_UPDATES
         for peer in holders:
             url = self.members.url(peer)
             if url is None:
                 continue
             try:
                 try:
-                    if await self._fetch_updates(p, url):
+                    if small_gap and await self._fetch_updates(p, url):
                         return True
                 except DigestMismatch:
                     self.stats["diverged_repairs"] += 1  # our copy is not the owner's: take it whole
@@ -173,8 +176,8 @@ class FragmentSync:
                     return True
             except (TransportError, ProtocolError) as e:
                 log.info("catching up fragment %d from %s failed: %s", p, peer[:8], e)
-                if isinstance(e, TransportError) and not isinstance(e, RemoteError):
-                    self.members.suspect(peer)
+                if isinstance(e, TransportError):
+                    self.members.failed(peer, e)
         return False
 
     async def _fetch_updates(self, p: int, url: str) -> bool:
@@ -241,7 +244,7 @@ class FragmentSync:
 
         async def one(i: int, p: int) -> None:
             order = [*live[i % max(len(live), 1):], *live[: i % max(len(live), 1)]]
-            await self._catch_up(p, [newest[p][1], *order])
+            await self._catch_up(p, [newest[p][1], *order], newest[p][0])
 
         await asyncio.gather(*(one(i, p) for i, p in enumerate(behind)))
         return [p for p, v in enumerate(newest) if v is not None and v[0] > self.store.label(p)]
@@ -279,7 +282,9 @@ class FragmentSync:
     async def _deliver(self, p: int, base: Version, steps: int, tokens: int, meta: dict, payload: bytes) -> bool:
         """Send a delta to owner(p), then to the next owner if that one is gone. True once one accepted it."""
         fields = DeltaFields(p, base, steps, tokens, meta).to_fields()
-        for _ in range(1 + self.spec.replicas):
+        for attempt in range(2 + self.spec.replicas):
+            if attempt:
+                await asyncio.sleep(0.25 * attempt)  # let the member view (and the owner's) catch up
             roles = self.members.roles(p)
             if not roles:
                 break
@@ -301,12 +306,12 @@ class FragmentSync:
                     self.catch_up(p, [owner])
                 if e.status != 503:
                     return False
-                self.members.suspect(owner)
+                # 503: alive, but not the owner in its own view (yet): it checks the owner it knows; retry.
             except ProtocolError as e:
                 self.stats[f"deltas_refused_{e.status}"] += 1
                 return False
             except TransportError as e:
                 log.info("owner %s of fragment %d unreachable: %s", owner[:8], p, e)
-                self.members.suspect(owner)
+                self.members.failed(owner, e)
         self.stats["deltas_lost_no_owner"] += 1
         return False

@@ -170,8 +170,10 @@ class Learner:
         own delta once merged. A fragment downloaded whole overwrites θ[p]; only then are local steps lost."""
         changes = self.swarm.store.take_changes()
         self.base = changes.labels
-        for p, anchor in changes.replace.items():
-            self.plan.unflatten_into(p, anchor, self.params)
+        store = self.swarm.store
+        for p in sorted(changes.replace):
+            with store.lock:
+                self.plan.unflatten_into(p, store.held[p].anchor, self.params)
             self.overwritten_steps += self.c_steps[p]
             self.c_steps[p] = self.c_tokens[p] = 0
         for p, moves in changes.moves.items():

@@ -165,7 +165,7 @@ class Swarm:
             await self._open_server()
             await self._join()
             self.progress.synced = True
-            await self.members.publish()  # now a candidate owner: say so at once
+            self._spawn(self.members.publish())  # now a candidate owner: say so at once, without waiting
             self.members.changed()
             self._ready.set()
             for coro in (self.members.run(), self._watch(), *([self.shard.run()] if self.shard else [])):
@@ -305,6 +305,7 @@ class Swarm:
                 for p in range(len(self.store))
             ],
             "members": [{"peer_id": m.peer_id, "url": m.url, "step": m.record.step, "region": m.record.region,
+                         "synced": m.record.synced, "expires_in_s": round(m.expiration - time.time(), 1),
                          "client_mode": m.client_mode} for m in members],
             "shard": dict(self.shard.stats) if self.shard else {},
             "sync": dict(self.sync.stats) if self.sync else {},

@@ -53,7 +53,7 @@ def test_a_whole_download_replaces_theta_and_forgets_the_outstanding_delta():
     s.advance(0, GENESIS, V1, torch.ones(6), b"f", b"c")
     s.install(0, torch.full((6,), 7.0), Version(1, 9), b"cert")
     changes = s.take_changes()
-    assert 0 not in changes.moves and torch.equal(changes.replace[0], torch.full((6,), 7.0))
+    assert 0 not in changes.moves and changes.replace == {0} and torch.equal(s.held[0].anchor, torch.full((6,), 7.0))
     assert 0 not in s.outstanding
 
 
