@@ -70,20 +70,18 @@ class Changes:
 
 
 class FragmentStore:
-    """Anchors by fragment index. `dirty` lists fragments whose anchor moved since the learner last copied it."""
+    """Anchors by fragment index, with the moves the learner has not applied to θ yet (`take_changes`)."""
 
     def __init__(self, anchors: list[Tensor], self_id: str = "") -> None:
         self.held = [Held(a.detach().to(torch.float32).contiguous().clone()) for a in anchors]
         self.self_id = self_id
         self.lock = threading.Lock()
-        self.dirty: set[int] = set()
         self.pending: dict[int, list[Move]] = {}  # p -> what θ[p] must move by at the next step boundary
         self.replaced: set[int] = set()  # fragments installed whole: θ[p] := Θ_p
         self.outstanding: dict[int, tuple[Move, int]] = {}  # p -> (Δ_sent as merged, inner steps behind it)
         self.merged_steps = 0  # Σ over fragments of the inner steps of our deltas that reached a version
         self.keep_frames: set[int] | None = None  # fragments whose update frames to keep (None: all); the shard
         # sets it to the fragments this peer owns or replicates, the holders that learners catch up from
-        self.listeners: list = []  # callables (p, label) notified after each change, on the writer's thread
 
     def __len__(self) -> int:
         return len(self.held)
@@ -131,16 +129,6 @@ class FragmentStore:
                 self.merged_steps += steps
             if p not in self.replaced:
                 self.pending.setdefault(p, []).extend(moves)
-            self.dirty.add(p)
-        self._notify(p, new)
-
-    def relabel(self, p: int, new: Version) -> None:
-        """Same parameters, higher label: a replica taking ownership over (term + 1)."""
-        with self.lock:
-            if not new > self.held[p].label:
-                raise StaleVersion(f"fragment {p} is already at {self.held[p].label}")
-            self.held[p].label = new
-        self._notify(p, new)
 
     def install(self, p: int, anchor: Tensor, label: Version, cert: bytes, *, repair: bool = False) -> None:
         """Replace the whole anchor (a joiner's download, or a learner that fell too far behind). `repair`
@@ -158,8 +146,6 @@ class FragmentStore:
             self.pending.pop(p, None)
             self.outstanding.pop(p, None)
             self.replaced.add(p)
-            self.dirty.add(p)
-        self._notify(p, label)
 
     def updates_after(self, p: int, label: Version) -> list[bytes] | None:
         """The kept update frames that lead from `label` to the current version, or None if not all are kept."""
@@ -179,10 +165,6 @@ class FragmentStore:
         with self.lock:
             h = self.held[p]
             return h.anchor.clone(), h.label, h.cert
-
-    def digest(self, p: int) -> bytes:
-        with self.lock:
-            return anchor_digest(self.held[p].anchor)
 
     def set_outstanding(self, p: int, base: Version, sent: Move, steps: int) -> bool:
         """Remember the delta just sent for p (as the owner will merge it) until a version merges it.
@@ -210,17 +192,9 @@ class FragmentStore:
         """For the training thread, at a step boundary: what to do to θ, and the labels θ is then based on."""
         with self.lock:
             out = Changes(self.replaced, self.pending, [h.label for h in self.held])
-            self.pending, self.replaced, self.dirty = {}, set(), set()
+            self.pending, self.replaced = {}, set()
             return out
 
-    def take_dirty(self) -> set[int]:
-        with self.lock:
-            out, self.dirty = self.dirty, set()
-            return out
-
-    def _notify(self, p: int, label: Version) -> None:
-        for fn in self.listeners:
-            fn(p, label)
 
 
 def anchor_digest(anchor: Tensor) -> bytes:

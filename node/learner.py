@@ -14,6 +14,8 @@ at inner steps t ≡ ⌊p·H/P⌋ (mod H).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -39,8 +41,6 @@ class RunMismatch(JoinError):
 
 def genesis_digest(plan: FragmentPlan, model: torch.nn.Module) -> bytes:
     """One digest of Θ^(0): every fragment's fp32 bytes, in order. Put in the RunSpec by `init-run`."""
-    import hashlib
-
     params = dict(model.named_parameters())
     h = hashlib.sha256()
     for p in range(len(plan.fragments)):
@@ -51,8 +51,6 @@ def genesis_digest(plan: FragmentPlan, model: torch.nn.Module) -> bytes:
 def create_run(creator: Identity, name: str, network: torch.nn.Module, **fields) -> Genesis:
     """A signed RunSpec (`fields` are RunSpec's) for `network`: its fragment plan and initial parameters are
     pinned in the spec, so a learner with another model or init is refused at `start()`."""
-    import dataclasses
-
     spec = RunSpec(name, **fields)
     plan = FragmentPlan.from_module(network, spec.fragments)
     spec = dataclasses.replace(spec, plan_digest=plan.digest(), genesis_digest=genesis_digest(plan, network))

@@ -105,7 +105,6 @@ class Swarm:
         self.client_mode = bool(config.client_mode)
         self.url = ""
         self.extra_status: list[Callable[[], dict[str, Any]]] = []
-        self.extra_routes: list[Callable[[PeerServer], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -197,8 +196,6 @@ class Swarm:
                                self.server, self.sync, self.codec)
             self.server.add_route("GET", ROUTE_STATUS, self._serve_status)
             self.server.add_route("GET", ROUTE_REACH, self._serve_reach)
-            for hook in self.extra_routes:
-                hook(self.server)
             try:
                 await self.server.start()
             except OSError as e:
