@@ -133,7 +133,11 @@ def test_kill_9_of_an_owner_hands_the_fragment_to_a_replica_under_a_higher_term(
         record()
         return all(v[-1][0] > term_before for v in seen.values())
 
-    wait_until(taken_over, 90, f"fragment {p} to be published under a new term", poll=0.5)
+    try:
+        wait_until(taken_over, 90, f"fragment {p} to be published under a new term", poll=0.5)
+    except AssertionError as e:
+        views = {i: (get_status(urls[i])["fragments"][p], get_status(urls[i])["shard"]) for i in seen}
+        raise AssertionError(f"{e}; versions seen {seen}; survivors' views {views}") from None
     # Member views may differ for a moment, so the replica that takes over is the survivors' choice; what must
     # hold is that it carries the momentum on (kept from replication, handed over, or pulled from a holder).
     survivors = [u for i, u in enumerate(urls) if i != owner_i]
