@@ -78,8 +78,13 @@ class FragmentStore:
         self.lock = threading.Lock()
         self.pending: dict[int, list[Move]] = {}  # p -> what θ[p] must move by at the next step boundary
         self.replaced: set[int] = set()  # fragments installed whole: θ[p] := Θ_p
-        self.outstanding: dict[int, tuple[Move, int]] = {}  # p -> (Δ_sent as merged, inner steps behind it)
+        self.outstanding: dict[int, tuple[Move, int, int]] = {}  # p -> (Δ_sent as merged, its steps, its tokens)
         self.merged_steps = 0  # Σ over fragments of the inner steps of our deltas that reached a version
+        self.merged_tokens = 0  # the same for tokens
+        self.in_flight: set[int] = set()  # fragments whose delta is being sent or waits to be merged
+        self.settled = threading.Condition(self.lock)  # notified when a fragment leaves `in_flight`
+        self.accepted: list[tuple[int, int, int]] | None = None  # if a list: every (p, term, version) this
+        # store moved to, in order, for an observer to drain (`take_accepted`); None: not recorded
         self.keep_frames: set[int] | None = None  # fragments whose update frames to keep (None: all); the shard
         # sets it to the fragments this peer owns or replicates, the holders that learners catch up from
 
@@ -120,13 +125,16 @@ class FragmentStore:
             else:
                 held.anchor.add_(update.reshape(-1))
             held.label, held.cert = new, cert
+            self._accepted(p, new)
             if self.keep_frames is None or p in self.keep_frames:
                 held.updates.append((base, new, frame))
             moves: list[Move] = [move if move is not None else update.reshape(-1).clone()]
             if self.self_id in contributors and p in self.outstanding:
-                sent, steps = self.outstanding.pop(p)
+                sent, steps, tokens = self.outstanding.pop(p)
                 moves.append(sent)
                 self.merged_steps += steps
+                self.merged_tokens += tokens
+                self._settle(p)
             if p not in self.replaced:
                 self.pending.setdefault(p, []).extend(moves)
 
@@ -142,9 +150,11 @@ class FragmentStore:
                 raise ValueError(f"fragment {p} has {held.anchor.numel()} elements, got {anchor.numel()}")
             held.anchor.copy_(anchor.reshape(-1))
             held.label, held.cert = label, cert
+            self._accepted(p, label)
             held.updates.clear()
             self.pending.pop(p, None)
             self.outstanding.pop(p, None)
+            self._settle(p)
             self.replaced.add(p)
 
     def updates_after(self, p: int, label: Version) -> list[bytes] | None:
@@ -166,13 +176,13 @@ class FragmentStore:
             h = self.held[p]
             return h.anchor.clone(), h.label, h.cert
 
-    def set_outstanding(self, p: int, base: Version, sent: Move, steps: int) -> bool:
+    def set_outstanding(self, p: int, base: Version, sent: Move, steps: int, tokens: int = 0) -> bool:
         """Remember the delta just sent for p (as the owner will merge it) until a version merges it.
         False if the anchor has moved off `base` meanwhile (then the delta must not be sent)."""
         with self.lock:
             if self.held[p].label != base:
                 return False
-            self.outstanding[p] = (sent, steps)
+            self.outstanding[p] = (sent, steps, tokens)
             return True
 
     def delta(self, p: int, base: Version, live: Tensor) -> Tensor | None:
@@ -187,6 +197,40 @@ class FragmentStore:
         """The delta was not accepted: its progress stays in θ[p] and goes out with the next one."""
         with self.lock:
             self.outstanding.pop(p, None)
+            self._settle(p)
+
+    # -- waiting for a delta to be merged (the synchronous baseline) ----------------------------------------
+
+    def begin_send(self, p: int) -> None:
+        """The learner hands fragment p's delta to the loop: p is in flight until merged, refused or moot."""
+        with self.lock:
+            self.in_flight.add(p)
+
+    def end_send(self, p: int, accepted: bool) -> None:
+        """The loop is done sending; an accepted delta stays in flight until a version merges it."""
+        with self.lock:
+            if not accepted or p not in self.outstanding:
+                self._settle(p)
+
+    def wait_settled(self, fragments: list[int] | range, timeout: float) -> bool:
+        """Block until none of `fragments` is in flight; False if `timeout` seconds passed first."""
+        with self.lock:
+            return self.settled.wait_for(lambda: not self.in_flight.intersection(fragments), timeout)
+
+    def _settle(self, p: int) -> None:  # holds the lock
+        if p in self.in_flight:
+            self.in_flight.discard(p)
+            self.settled.notify_all()
+
+    def _accepted(self, p: int, label: Version) -> None:  # holds the lock
+        if self.accepted is not None:
+            self.accepted.append((p, label.term, label.version))
+
+    def take_accepted(self) -> list[tuple[int, int, int]]:
+        """The (p, term, version) moves recorded since the last call (recording must be on: `accepted = []`)."""
+        with self.lock:
+            out, self.accepted = (self.accepted or []), ([] if self.accepted is not None else None)
+            return out
 
     def take_changes(self) -> Changes:
         """For the training thread, at a step boundary: what to do to θ, and the labels θ is then based on."""

@@ -48,12 +48,14 @@ class QuorumTracker:
         cap_s: float,
         clock: Callable[[], float] = time.monotonic,
         ewma_alpha: float = 0.2,
+        strict: bool = False,
     ) -> None:
         if K < 1:
             raise ValueError(f"quorum K must be at least 1, got {K}")
         if gamma < 0 or tau < 0 or cap_s < 0:
             raise ValueError("gamma, tau and cap_s must be non-negative")
         self.K, self.gamma, self.tau, self.cap_s = K, gamma, tau, cap_s
+        self.strict = strict  # K is a hard floor: "every live learner reported" does not count below it
         self.clock = clock
         self.step_time = Ewma(ewma_alpha)
         self.sync_time = Ewma(ewma_alpha)
@@ -88,6 +90,8 @@ class QuorumTracker:
 
     def _update_all(self, now: float) -> None:
         everyone = bool(self.expected) and self.expected <= self.reported
+        if self.strict and len(self.reported) < self.K:
+            everyone = False
         if not everyone:
             self.all_at = None
         elif self.all_at is None:
@@ -118,6 +122,7 @@ class QuorumTracker:
         return min((t for t in (self.all_at, after_grace) if t is not None), default=None)
 
     def ready(self, now: float | None = None) -> bool:
-        """Every live learner reported, or at least K did and the grace window since the quorum has passed."""
+        """Every live learner reported, or at least K did and the grace window since the quorum has passed.
+        With `strict` (the synchronous baseline) nothing is ready below K, however few learners are live."""
         deadline = self.deadline()
         return deadline is not None and (self.clock() if now is None else now) >= deadline

@@ -56,6 +56,7 @@ class OwnerSettings:
     max_staleness: int = 4
     clip_c: float = 3.0
     error_feedback: bool = True
+    strict_quorum: bool = False  # the synchronous baseline: never step with fewer than `quorum` learners
 
 
 class FragmentOwner:
@@ -79,7 +80,8 @@ class FragmentOwner:
         self.momentum = momentum
         self.residual: Tensor | None = None
         self.pending: dict[str, PendingDelta] = {}
-        self.tracker = QuorumTracker(learners, settings.quorum, settings.gamma, settings.tau, settings.cap_s, clock)
+        self.tracker = QuorumTracker(learners, settings.quorum, settings.gamma, settings.tau, settings.cap_s, clock,
+                                     strict=settings.strict_quorum)
         self.dropped: collections.Counter[str] = collections.Counter()
 
     def offer(self, delta: PendingDelta, current: Version) -> None:

@@ -43,6 +43,8 @@ class RunSpec:
     error_feedback: bool = False
     max_staleness: int = 4
     replicas: int = 1
+    synchronous: bool = False  # the synchronous baseline (DESIGN §8): quorum is every learner, no grace window,
+    # learners block until their previous delta of a fragment is merged and checkpoint at a barrier
     membership: str = "open"
     allowlist: tuple[bytes, ...] = ()  # raw Ed25519 public keys, for membership "allowlist"
     plan_digest: bytes = b""
@@ -60,6 +62,8 @@ class RunSpec:
             problems.append("inner_steps must be >= 1")
         if self.quorum < 1:
             problems.append("quorum must be >= 1")
+        if self.synchronous and (self.grace_gamma != 0 or self.grace_cap_s != 0):
+            problems.append("a synchronous run has no grace window: set grace_gamma and grace_cap_s to 0")
         if self.max_staleness < 0 or self.replicas < 0:
             problems.append("max_staleness and replicas must be >= 0")
         if not 0 <= self.outer_momentum < 1 or not self.outer_lr > 0:

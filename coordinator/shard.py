@@ -101,7 +101,7 @@ class Shard:
         self.codec = codec or get_codec(spec.codec)
         self.outer = OuterOptimizer(spec.outer_lr, spec.outer_momentum, nesterov=spec.outer_momentum > 0)
         self.settings = OwnerSettings(spec.quorum, spec.grace_gamma, spec.overlap, spec.grace_cap_s,
-                                      spec.max_staleness)
+                                      spec.max_staleness, strict_quorum=spec.synchronous)
         self.owners: dict[int, FragmentOwner] = {}
         self.replica_momentum: dict[int, tuple[Version, Encoded | None]] = {}  # compressed until a takeover
         self.terms_seen = [0] * len(store)

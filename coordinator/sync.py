@@ -258,6 +258,14 @@ class FragmentSync:
         the next one. Until a version merges it, the delta is kept as outstanding (see `fragments`: the rebase
         rule). Returns whether an owner accepted it.
         """
+        accepted = False
+        try:
+            accepted = await self._send_delta(p, live_fragment, base, steps, tokens)
+            return accepted
+        finally:
+            self.store.end_send(p, accepted)
+
+    async def _send_delta(self, p: int, live_fragment: torch.Tensor, base: Version, steps: int, tokens: int) -> bool:
         delta = self.store.delta(p, base, live_fragment)
         if delta is None:
             self.stats["deltas_dropped_moved"] += 1  # the anchor moved since the snapshot; Δ would be wrong
@@ -269,7 +277,7 @@ class FragmentSync:
             meta, payload = self.codec.encode(delta)
             merged = Encoded(self.codec, meta, payload)
             del delta
-        if not self.store.set_outstanding(p, base, merged, steps):
+        if not self.store.set_outstanding(p, base, merged, steps, tokens):
             self.stats["deltas_dropped_moved"] += 1
             return False
         if await self._deliver(p, base, steps, tokens, meta, payload):

@@ -169,13 +169,15 @@ def _load_run(path: Path):
 @click.option("--outer-momentum", default=0.9, show_default=True)
 @click.option("--max-staleness", default=4, show_default=True, help="Deltas older than this many versions are dropped.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the initial parameters.")
+@click.option("--synchronous", is_flag=True, help="The synchronous baseline: every outer step waits for all "
+              "--quorum learners (no grace window), learners wait for their merges and checkpoint at a barrier.")
 @click.option("--allow", multiple=True, help="Hex public key allowed to join (repeatable); makes the run allowlist-only.")
 @click.option("--key", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_KEY, show_default=True,
               help="The creator's key file (created if missing); it signs the spec.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("run.spec"), show_default=True)
 def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int, quorum: int, codec: str,
-             outer_lr: float, outer_momentum: float, max_staleness: int, seed: int, allow: tuple[str, ...],
-             key: Path, out: Path) -> None:
+             outer_lr: float, outer_momentum: float, max_staleness: int, seed: int, synchronous: bool,
+             allow: tuple[str, ...], key: Path, out: Path) -> None:
     """Write and sign a RunSpec: everything the swarm must agree on. Prints the run id."""
     from diloco.protocol.codecs import available_codecs
     from diloco.protocol.errors import ProtocolError
@@ -192,6 +194,7 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
         genesis = new_run(load_identity(key), name, task=task, model={"model": preset}, fragments=fragments,
                           inner_steps=inner_steps, quorum=quorum, codec=codec, outer_lr=outer_lr,
                           outer_momentum=outer_momentum, max_staleness=max_staleness, seed=seed,
+                          **({"synchronous": True, "grace_gamma": 0.0, "grace_cap_s": 0.0} if synchronous else {}),
                           membership="allowlist" if allowlist else "open", allowlist=allowlist)
     except (ProtocolError, ValueError) as e:
         raise UserError(str(getattr(e, "reason", e))) from None
@@ -224,11 +227,15 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
 @click.option("--json", "as_json", is_flag=True, help="Progress as JSON lines.")
 @click.option("--fast-membership", is_flag=True, hidden=True, help="Short member TTLs (localhost fleets).")
 @click.option("--slowdown", default=1.0, hidden=True, help="Straggler emulation factor.")
+@click.option("--pace", "pace_s", default=0.0, hidden=True, help="Seconds every inner step lasts at least "
+              "(an emulated fixed-speed chip; the chaos harness uses it).")
+@click.option("--standalone", is_flag=True, hidden=True, help="Train alone, without a swarm (nominal rate).")
 def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ...], key: Path | None,
          data: str | None, device: str, checkpoint_dir: Path | None, checkpoint_every: int, client_mode: bool,
          region: str, steps: int, progress_every: int, eval_every: int, as_json: bool, fast_membership: bool,
-         slowdown: float) -> None:
+         slowdown: float, pace_s: float, standalone: bool) -> None:
     """Join a run as a learner (and syncer shard) and train the run's task."""
+    from .learner import SyncTimeout
     from .swarm import JoinError
     from .train import TrainOptions, train
 
@@ -241,10 +248,11 @@ def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ..
     cfg = _swarm_config(listen, announce, peers, client_mode, region, fast_membership)
     opts = TrainOptions(steps=steps, data=data, device=device, progress_every=progress_every,
                         eval_every=eval_every, json=as_json, checkpoint_dir=checkpoint_dir,
-                        checkpoint_every=checkpoint_every if checkpoint_dir else 0, slowdown=slowdown)
+                        checkpoint_every=checkpoint_every if checkpoint_dir else 0, slowdown=slowdown,
+                        pace_s=pace_s, standalone=standalone)
     try:
         train(genesis, load_identity(key), cfg, opts)
-    except JoinError as e:
+    except (JoinError, SyncTimeout) as e:
         raise UserError(str(e)) from None
 
 

@@ -10,6 +10,10 @@
 `step` never waits on the network: it copies newly published fragments into the model (at this step
 boundary, under the store's lock), hands due fragments to the background loop, and returns. Fragment p is due
 at inner steps t ≡ ⌊p·H/P⌋ (mod H).
+
+A synchronous run (`RunSpec.synchronous`, the baseline of DESIGN §8) is the one exception: there `step` waits
+until fragment p's previous delta is merged before sending the next, and a checkpoint waits until every sent
+delta is merged, so all learners checkpoint the same global versions (the state a rollback returns to).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ log = logging.getLogger(__name__)
 
 class RunMismatch(JoinError):
     """The local model does not match the run (different fragment plan or initial parameters)."""
+
+
+class SyncTimeout(RuntimeError):
+    """A synchronous run's round did not complete in time: a learner is gone; restart from the last checkpoint."""
 
 
 def genesis_digest(plan: FragmentPlan, model: torch.nn.Module) -> bytes:
@@ -70,6 +78,7 @@ class Learner:
         config: SwarmConfig | None = None,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0,
+        sync_timeout_s: float = 300.0,
     ) -> None:
         self.spec = run.spec if isinstance(run, Genesis) else run
         self.model, self.optimizer = model, optimizer
@@ -91,6 +100,8 @@ class Learner:
         self.base: list[Version] = []  # per fragment, the version θ[p] is based on
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
+        self.sync_timeout_s = sync_timeout_s  # synchronous runs only: the longest wait for a merge
+        self._restored: dict = {}  # counters from the checkpoint we resumed from
         self._saving: threading.Thread | None = None
         self._last_step_at: float | None = None
         self.swarm: Swarm | None = None
@@ -108,6 +119,8 @@ class Learner:
             anchors = [ckpt.anchors[p] for p in range(self.spec.fragments)]
             labels = [Version(*ckpt.labels[p]) for p in range(self.spec.fragments)]
             certs = [ckpt.certs.get(p, b"") for p in range(self.spec.fragments)]
+            self._restored = dict(ckpt.counters)
+            self.tokens = int(self._restored.get("tokens", 0))
             log.info("resumed from checkpoint at step %d", self.t)
         else:
             anchors = [self.plan.flatten(p, self.params) for p in range(self.spec.fragments)]
@@ -115,6 +128,8 @@ class Learner:
                 raise RunMismatch("this model's initial parameters differ from the run's; build it with the "
                                   f"run's seed ({self.spec.seed}) and task ({self.spec.task})")
         self.swarm = Swarm(self.identity, self.spec, self.plan, anchors, self.config, labels, certs)
+        self.swarm.store.merged_steps = int(self._restored.get("merged_steps", 0))
+        self.swarm.store.merged_tokens = int(self._restored.get("merged_tokens", 0))
         self.swarm.start()
         self._apply_new_versions()
         return self
@@ -134,7 +149,8 @@ class Learner:
     # -- the training-loop hook -----------------------------------------------------------------------------
 
     def step(self, tokens: int, loss: float | None = None) -> None:
-        """Call once after every inner `optimizer.step()`. Never blocks on the network."""
+        """Call once after every inner `optimizer.step()`. Never blocks on the network (a synchronous run
+        waits for merges: see the module docstring)."""
         if self.swarm is None:
             raise RuntimeError("call Learner.start() before step()")
         now = time.monotonic()
@@ -146,8 +162,13 @@ class Learner:
         self._apply_new_versions()
         H = self.spec.inner_steps
         for p, offset in enumerate(self.offsets):
-            if self.t % H == offset and self.c_steps[p] > 0:
+            if self.t % H != offset:
+                continue
+            if self.spec.synchronous:
+                self._wait_merged([p])
+            if self.c_steps[p] > 0:
                 snapshot = self.plan.flatten(p, self.params)
+                self.swarm.store.begin_send(p)
                 self.swarm.submit_delta(p, snapshot, self.base[p], self.c_steps[p], self.c_tokens[p])
                 self.sent_steps += self.c_steps[p]
                 self.c_steps[p] = self.c_tokens[p] = 0
@@ -162,6 +183,14 @@ class Learner:
             pr.loss = float(loss)
         if self.checkpoint_every and self.t % self.checkpoint_every == 0:
             self.save_checkpoint()
+
+    def _wait_merged(self, fragments: list[int] | range) -> None:
+        """Synchronous runs: block until these fragments' sent deltas are merged, then apply the versions."""
+        if not self.swarm.store.wait_settled(fragments, self.sync_timeout_s):
+            raise SyncTimeout(f"a synchronous round of fragments {list(fragments)} did not complete in "
+                              f"{self.sync_timeout_s:.0f} s: a learner is missing; restart every learner from "
+                              "its last checkpoint")
+        self._apply_new_versions()
 
     def _apply_new_versions(self) -> None:
         """Move θ[p] with every new version (the rebase rule of `coordinator.fragments`): θ[p] += U, plus our
@@ -190,12 +219,17 @@ class Learner:
             if not wait:
                 return
             self._saving.join()
+        if self.spec.synchronous:  # the barrier: every learner checkpoints the same global versions
+            self._wait_merged(range(self.spec.fragments))
         store = self.swarm.store
         with store.lock:
             anchors = {p: h.anchor.clone() for p, h in enumerate(store.held)}
             labels = {p: (h.label.term, h.label.version) for p, h in enumerate(store.held)}
             certs = {p: h.cert for p, h in enumerate(store.held)}
+            counters = {"merged_steps": store.merged_steps, "merged_tokens": store.merged_tokens,
+                        "tokens": self.tokens}
         ckpt = capture(self.model, self.optimizer, step=self.t, anchors=anchors, labels=labels, certs=certs,
+                       counters=counters,
                        meta={"run_id": self.spec.run_id.hex(), "peer_id": self.identity.peer_id,
                              "wall_time": time.time()})
         self._saving = threading.Thread(target=save_checkpoint, args=(self.checkpoint_dir, ckpt), daemon=True)

@@ -1,6 +1,10 @@
 """The built-in training loop behind `diloco-node join`: a task from the RunSpec, a Learner, progress lines.
 
 This is an ordinary user of the Python API (`Learner`), the same loop an example script would write.
+Two options exist for the fault-injection harness (`node/chaos.py`): `pace_s` makes every inner step last at
+least that long, like an accelerator of fixed speed, so a learner does not speed up when a crashed neighbour
+frees CPU on a shared machine; `standalone` trains the same loop without any swarm (the nominal step rate of
+DESIGN §8).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class TrainOptions:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
     slowdown: float = 1.0  # straggler emulation: sleep (slowdown − 1) × step time after each step
+    pace_s: float = 0.0  # every inner step lasts at least this long (an emulated fixed-speed chip)
+    standalone: bool = False  # no swarm: the same loop alone (nominal steps/s)
 
 
 def emit(opts: TrainOptions, event: str, **fields: Any) -> None:
@@ -67,54 +73,105 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
     task = task_of(spec, opts.data)
     model = task.build_model().to(opts.device)
     optimizer = task.optimizer(model)
+    if opts.standalone:
+        return _train_alone(spec, task, model, optimizer, identity, opts)
     learner = Learner(model, optimizer, genesis, identity=identity, config=config,
                       checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every)
     t0 = time.monotonic()
     learner.start()
+    store = learner.swarm.store
+    if opts.json:
+        store.accepted = []  # report every version this learner moves to (the chaos harness checks them)
     emit(opts, "joined", peer_id=identity.peer_id, url=learner.swarm.url, join_s=time.monotonic() - t0,
-         step=learner.t, versions=[str(v) for v in learner.labels])
+         step=learner.t, versions=[str(v) for v in learner.labels], merged_steps=store.merged_steps,
+         merged_tokens=store.merged_tokens, tokens=learner.tokens)
     shard = int.from_bytes(hashlib.sha256(identity.public_key).digest()[:4], "big")
     batches = task.batches(learner=shard, seed=spec.seed + learner.t)
     start, losses = time.monotonic(), []
     try:
         while not opts.steps or learner.t < opts.steps:
             step_start = time.monotonic()
-            x, y = next(batches)
-            _, loss = model(x.to(opts.device), y.to(opts.device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            learner.step(tokens=x.numel(), loss=loss.item())
-            losses.append(loss.item())
-            if opts.slowdown > 1.0:
-                time.sleep((opts.slowdown - 1.0) * (time.monotonic() - step_start))
+            loss = _inner_step(model, optimizer, batches, opts)
+            learner.step(tokens=task.tokens_per_batch, loss=loss)
+            losses.append(loss)
+            _pace(opts, step_start)
             if learner.t % opts.progress_every == 0:
                 st = learner.swarm
-                emit(opts, "progress", step=learner.t, loss=sum(losses[-opts.progress_every:]) / len(losses[-opts.progress_every:]),
+                emit(opts, "progress", step=learner.t, loss=_mean(losses[-opts.progress_every:]),
                      tokens=learner.tokens, versions=sum(v.version for v in learner.labels),
                      peers=len(st.members.live()), bytes=sum(st.bytes_total().values()),
-                     steps_per_s=1 / st.progress.step_time_s if st.progress.step_time_s else 0.0)
+                     steps_per_s=1 / st.progress.step_time_s if st.progress.step_time_s else 0.0,
+                     merged_steps=store.merged_steps, merged_tokens=store.merged_tokens,
+                     **({"accepted": store.take_accepted()} if opts.json else {}))
             if opts.eval_every and learner.t % opts.eval_every == 0:
-                emit(opts, "eval", step=learner.t, eval_loss=evaluate(model, task))
+                emit(opts, "eval", step=learner.t, eval_loss=evaluate(model, task), tokens=learner.tokens,
+                     merged_tokens=store.merged_tokens)
     except KeyboardInterrupt:
         pass
     summary = {
         "peer_id": identity.peer_id,
         "steps": learner.t,
         "tokens": learner.tokens,
-        "final_loss": sum(losses[-20:]) / max(len(losses[-20:]), 1),
+        "final_loss": _mean(losses[-20:]),
         "eval_loss": evaluate(model, task),
         "outer_steps": sum(learner.swarm.shard.outer_steps) if learner.swarm.shard else 0,
         "versions": [str(v) for v in learner.labels],
         "bytes": learner.swarm.bytes_total(),
         "sent_steps": learner.sent_steps,
-        "merged_steps": learner.swarm.store.merged_steps,
+        "merged_steps": store.merged_steps,
+        "merged_tokens": store.merged_tokens,
         "overwritten_steps": learner.overwritten_steps,
         "train_s": time.monotonic() - start,
         "shard": dict(learner.swarm.shard.stats) if learner.swarm.shard else {},
         "sync": dict(learner.swarm.sync.stats),
+        **({"accepted": store.take_accepted()} if opts.json else {}),
     }
     emit(opts, "done", **summary)
     learner.close()
     sys.stdout.flush()
     return summary
+
+
+def _train_alone(spec: RunSpec, task: Task, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 identity: Identity, opts: TrainOptions) -> dict[str, Any]:
+    """The same inner loop with no swarm: what this learner does alone (the nominal rate of DESIGN §8)."""
+    shard = int.from_bytes(hashlib.sha256(identity.public_key).digest()[:4], "big")
+    batches = task.batches(learner=shard, seed=spec.seed)
+    emit(opts, "joined", peer_id=identity.peer_id, url="", join_s=0.0, step=0, standalone=True)
+    start, steps, losses = time.monotonic(), 0, []
+    try:
+        while not opts.steps or steps < opts.steps:
+            step_start = time.monotonic()
+            losses.append(_inner_step(model, optimizer, batches, opts))
+            steps += 1
+            _pace(opts, step_start)
+            if steps % opts.progress_every == 0:
+                emit(opts, "progress", step=steps, loss=_mean(losses[-opts.progress_every:]),
+                     tokens=steps * task.tokens_per_batch, steps_per_s=steps / (time.monotonic() - start))
+    except KeyboardInterrupt:
+        pass
+    summary = {"peer_id": identity.peer_id, "steps": steps, "tokens": steps * task.tokens_per_batch,
+               "final_loss": _mean(losses[-20:]), "train_s": time.monotonic() - start, "standalone": True}
+    emit(opts, "done", **summary)
+    return summary
+
+
+def _inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Any, opts: TrainOptions) -> float:
+    x, y = next(batches)
+    _, loss = model(x.to(opts.device), y.to(opts.device))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def _pace(opts: TrainOptions, step_start: float) -> None:
+    """Make the step last `slowdown` × (the paced step time, or else the step's own time)."""
+    took = time.monotonic() - step_start
+    target = max(opts.pace_s, took) * max(opts.slowdown, 1.0)
+    if target > took:
+        time.sleep(target - took)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / max(len(xs), 1)
