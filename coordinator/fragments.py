@@ -81,6 +81,8 @@ class FragmentStore:
         self.outstanding: dict[int, tuple[Move, int, int]] = {}  # p -> (Δ_sent as merged, its steps, its tokens)
         self.merged_steps = 0  # Σ over fragments of the inner steps of our deltas that reached a version
         self.merged_tokens = 0  # the same for tokens
+        self.carried: dict[int, tuple[int, int]] = {}  # p -> (steps, tokens) of deltas never merged: their
+        # progress is still in θ[p], so the next delta carries it and counts it
         self.in_flight: set[int] = set()  # fragments whose delta is being sent or waits to be merged
         self.settled = threading.Condition(self.lock)  # notified when a fragment leaves `in_flight`
         self.accepted: list[tuple[int, int, int]] | None = None  # if a list: every (p, term, version) this
@@ -154,6 +156,7 @@ class FragmentStore:
             held.updates.clear()
             self.pending.pop(p, None)
             self.outstanding.pop(p, None)
+            self.carried.pop(p, None)  # θ[p] is overwritten: that progress is gone
             self._settle(p)
             self.replaced.add(p)
 
@@ -176,14 +179,20 @@ class FragmentStore:
             h = self.held[p]
             return h.anchor.clone(), h.label, h.cert
 
-    def set_outstanding(self, p: int, base: Version, sent: Move, steps: int, tokens: int = 0) -> bool:
+    def set_outstanding(self, p: int, base: Version, sent: Move, steps: int, tokens: int = 0) -> tuple[int, int] | None:
         """Remember the delta just sent for p (as the owner will merge it) until a version merges it.
-        False if the anchor has moved off `base` meanwhile (then the delta must not be sent)."""
+        Returns the (steps, tokens) it carries: its own plus those of earlier deltas of p that were never merged
+        (their progress is still in θ[p], so it is in this Δ). None if the anchor has moved off `base`
+        meanwhile (then the delta must not be sent)."""
         with self.lock:
             if self.held[p].label != base:
-                return False
-            self.outstanding[p] = (sent, steps, tokens)
-            return True
+                return None
+            if p in self.outstanding:  # superseded before any version merged it
+                _, s, t = self.outstanding.pop(p)
+                self._carry(p, s, t)
+            s, t = self.carried.pop(p, (0, 0))
+            self.outstanding[p] = (sent, steps + s, tokens + t)
+            return steps + s, tokens + t
 
     def delta(self, p: int, base: Version, live: Tensor) -> Tensor | None:
         """Δ_p = Θ_p − θ[p], written into `live` (the learner's snapshot of θ[p]); None if Θ_p has moved off
@@ -196,8 +205,19 @@ class FragmentStore:
     def drop_outstanding(self, p: int) -> None:
         """The delta was not accepted: its progress stays in θ[p] and goes out with the next one."""
         with self.lock:
-            self.outstanding.pop(p, None)
+            if p in self.outstanding:
+                _, s, t = self.outstanding.pop(p)
+                self._carry(p, s, t)
             self._settle(p)
+
+    def carry(self, p: int, steps: int, tokens: int) -> None:
+        """A delta that was never sent: its progress stays in θ[p], and the next delta counts its steps."""
+        with self.lock:
+            self._carry(p, steps, tokens)
+
+    def _carry(self, p: int, steps: int, tokens: int) -> None:  # holds the lock
+        s, t = self.carried.get(p, (0, 0))
+        self.carried[p] = (s + steps, t + tokens)
 
     # -- waiting for a delta to be merged (the synchronous baseline) ----------------------------------------
 

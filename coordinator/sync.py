@@ -269,6 +269,7 @@ class FragmentSync:
         delta = self.store.delta(p, base, live_fragment)
         if delta is None:
             self.stats["deltas_dropped_moved"] += 1  # the anchor moved since the snapshot; Δ would be wrong
+            self.store.carry(p, steps, tokens)
             return False
         if self.feedback is not None:  # the residual carries what the codec dropped; θ[p] gives up all of Δ
             meta, payload = self.feedback.encode(str(p), delta)
@@ -277,9 +278,12 @@ class FragmentSync:
             meta, payload = self.codec.encode(delta)
             merged = Encoded(self.codec, meta, payload)
             del delta
-        if not self.store.set_outstanding(p, base, merged, steps, tokens):
+        carried = self.store.set_outstanding(p, base, merged, steps, tokens)
+        if carried is None:
             self.stats["deltas_dropped_moved"] += 1
+            self.store.carry(p, steps, tokens)
             return False
+        steps, tokens = carried
         if await self._deliver(p, base, steps, tokens, meta, payload):
             return True
         self.store.drop_outstanding(p)

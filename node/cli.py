@@ -136,12 +136,13 @@ def dht(listen: str, announce: str | None, peers: tuple[str, ...], key: Path | N
 
 
 def _swarm_config(listen: str, announce: str | None, peers: tuple[str, ...], client_mode: bool, region: str,
-                  fast: bool = False):
+                  fast: bool = False, wait_for_peers: float = 0.0):
     from .swarm import SwarmConfig
 
     host, port = _hostport(listen)
     cfg = SwarmConfig(host=host, port=port, announce=announce, peers=[_peer_url(p) for p in peers],
-                      client_mode=True if client_mode else None, region=region)
+                      client_mode=True if client_mode else None, region=region,
+                      bootstrap_wait_s=wait_for_peers)
     if fast:  # localhost fleets: notice departures within seconds
         cfg.member_ttl_s, cfg.member_refresh_s, cfg.member_poll_s, cfg.watch_s = 6.0, 2.0, 1.0, 2.0
     return cfg
@@ -226,6 +227,8 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
 @click.option("--eval-every", default=0, show_default=True, help="Evaluate on held-out data every N steps (0: at the end).")
 @click.option("--json", "as_json", is_flag=True, help="Progress as JSON lines.")
 @click.option("--fast-membership", is_flag=True, hidden=True, help="Short member TTLs (localhost fleets).")
+@click.option("--wait-for-peers", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Keep trying --peers for this many seconds (a fleet whose peers start at the same time).")
 @click.option("--slowdown", default=1.0, hidden=True, help="Straggler emulation factor.")
 @click.option("--pace", "pace_s", default=0.0, hidden=True, help="Seconds every inner step lasts at least "
               "(an emulated fixed-speed chip; the chaos harness uses it).")
@@ -233,7 +236,7 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
 def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ...], key: Path | None,
          data: str | None, device: str, checkpoint_dir: Path | None, checkpoint_every: int, client_mode: bool,
          region: str, steps: int, progress_every: int, eval_every: int, as_json: bool, fast_membership: bool,
-         slowdown: float, pace_s: float, standalone: bool) -> None:
+         wait_for_peers: float, slowdown: float, pace_s: float, standalone: bool) -> None:
     """Join a run as a learner (and syncer shard) and train the run's task."""
     from .learner import SyncTimeout
     from .swarm import JoinError
@@ -245,7 +248,7 @@ def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ..
 
         if not torch.cuda.is_available():
             raise UserError("--device cuda, but torch sees no CUDA device")
-    cfg = _swarm_config(listen, announce, peers, client_mode, region, fast_membership)
+    cfg = _swarm_config(listen, announce, peers, client_mode, region, fast_membership, wait_for_peers)
     opts = TrainOptions(steps=steps, data=data, device=device, progress_every=progress_every,
                         eval_every=eval_every, json=as_json, checkpoint_dir=checkpoint_dir,
                         checkpoint_every=checkpoint_every if checkpoint_dir else 0, slowdown=slowdown,
@@ -348,6 +351,63 @@ def demo(peers: int, steps: int, task: str, inner_steps: int, fragments: int, co
     if interrupted:
         click.echo("interrupted: the learners were stopped before finishing", err=True)
         sys.exit(130)
+
+
+@main.command("simulate")
+@click.option("--chips", default="150000,300000,600000,1200000,2400000", show_default=True,
+              help="N: cluster sizes in chips, comma-separated (150k and 2.4M are accepted).")
+@click.option("--learners", default="2,4,8,16", show_default=True,
+              help="M: learners the chips are split into, comma-separated.")
+@click.option("--mtbi-years", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Per-chip mean time between interruptions in years (inf: no failures). Default: 1 "
+              "(the reason is in diloco.node.simulate).")
+@click.option("--param", "overrides", multiple=True, metavar="NAME=VALUE",
+              help="Override a cost of the model, e.g. --param restart_s=300 (repeatable; names and the reason "
+              "for each default: diloco.node.simulate.SimParams).")
+@click.option("--des", is_flag=True, help="Run the seeded discrete-event simulation instead of the exact "
+              "expectation (slower; a cross-check).")
+@click.option("--seed", default=0, show_default=True, help="Seed of --des.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Also print a JSON last line: {\"rows\": [{mode, chips, learners, goodput}], \"params\": {...}}.")
+def simulate_cmd(chips: str, learners: str, mtbi_years: float | None, overrides: tuple[str, ...], des: bool,
+                 seed: int, as_json: bool) -> None:
+    """Predict fleet goodput of dp, elastic dp and decoupled learners as chips fail.
+
+    N chips are split into M learners; every chip is interrupted at random (Poisson) with the given mean.
+    dp: any failure stops everyone (detect, replace, restart, reload the last checkpoint); dp_elastic: the
+    group shrinks and grows back; decoupled: only the failed learner stops and loses its unmerged work.
+    Goodput is the share of allocated chip-time spent on steps that survive.
+    """
+    import json as _json
+
+    from .simulate import (
+        DEFAULT_MTBI_YEARS,
+        YEAR_S,
+        SimParams,
+        format_table,
+        params_json,
+        parse_counts,
+        table,
+        with_overrides,
+    )
+
+    try:
+        chip_counts, learner_counts = parse_counts(chips), parse_counts(learners)
+        params = with_overrides(SimParams(), overrides)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if min(chip_counts) < max(learner_counts):
+        raise UserError(f"--chips {min(chip_counts)} is fewer than --learners {max(learner_counts)}; "
+                        "every learner needs at least one chip")
+    mtbi_s = (DEFAULT_MTBI_YEARS if mtbi_years is None else mtbi_years) * YEAR_S
+    try:
+        rows = table(chip_counts, learner_counts, mtbi_s, params, des=des, seed=seed)
+    except ValueError as e:  # --des with an infinite horizon
+        raise UserError(f"{e}; pass --param horizon_s=SECONDS") from None
+    for line in format_table(rows, mtbi_s, params, des):
+        click.echo(line)
+    if as_json:
+        click.echo(_json.dumps({"rows": rows, "params": params_json(params, mtbi_s, des)}))
 
 
 def load_identity(path: Path | None) -> Identity:

@@ -131,8 +131,21 @@ class Learner:
         self.swarm.store.merged_steps = int(self._restored.get("merged_steps", 0))
         self.swarm.store.merged_tokens = int(self._restored.get("merged_tokens", 0))
         self.swarm.start()
+        if self.spec.synchronous:
+            self._rendezvous()
         self._apply_new_versions()
         return self
+
+    def _rendezvous(self) -> None:
+        """Synchronous runs start like data parallel: once every learner of the quorum is in the swarm (a delta
+        sent earlier could go to an owner that hands its fragment over as the others arrive, and be lost)."""
+        deadline = time.monotonic() + self.sync_timeout_s
+        while len(self.swarm.members.live()) < self.spec.quorum:
+            if time.monotonic() > deadline:
+                raise SyncTimeout(f"only {len(self.swarm.members.live())} of the {self.spec.quorum} learners of "
+                                  f"this synchronous run joined within {self.sync_timeout_s:.0f} s")
+            time.sleep(0.05)
+        time.sleep(2 * self.config.member_poll_s)  # and let every other member's view of the swarm settle too
 
     def close(self) -> None:
         if self.checkpoint_dir is not None and self.swarm is not None:

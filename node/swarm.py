@@ -79,6 +79,7 @@ class SwarmConfig:
     member_poll_s: float = 2.0
     watch_s: float = 5.0  # how often to compare our versions with the DHT's
     join_timeout_s: float = 300.0
+    bootstrap_wait_s: float = 0.0  # keep trying `peers` this long (a fleet whose peers start together)
 
 
 @dataclass
@@ -206,11 +207,14 @@ class Swarm:
     async def _join(self) -> None:
         cfg = self.config
         t0 = time.perf_counter()
-        if cfg.peers:
+        while cfg.peers:
             try:
                 await self.dht.bootstrap(cfg.peers)
+                break
             except BootstrapFailed as e:
-                raise JoinError(f"{e}; check --peers") from None
+                if time.perf_counter() - t0 > cfg.bootstrap_wait_s:
+                    raise JoinError(f"{e}; check --peers") from None
+                await asyncio.sleep(0.25)
         log.info("join: DHT bootstrapped in %.3fs", time.perf_counter() - t0)
         if cfg.client_mode is None and cfg.peers and self.server is not None and not await self._reachable():
             raise JoinError(f"other peers cannot reach {self.url}; pass --announce with a reachable address, "

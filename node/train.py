@@ -148,6 +148,8 @@ def _train_alone(spec: RunSpec, task: Task, model: torch.nn.Module, optimizer: t
             if steps % opts.progress_every == 0:
                 emit(opts, "progress", step=steps, loss=_mean(losses[-opts.progress_every:]),
                      tokens=steps * task.tokens_per_batch, steps_per_s=steps / (time.monotonic() - start))
+            if opts.eval_every and steps % opts.eval_every == 0:  # same cost as in the swarm
+                emit(opts, "eval", step=steps, eval_loss=evaluate(model, task), tokens=steps * task.tokens_per_batch)
     except KeyboardInterrupt:
         pass
     summary = {"peer_id": identity.peer_id, "steps": steps, "tokens": steps * task.tokens_per_batch,

@@ -9,7 +9,7 @@ V1, V2 = Version(0, 1), Version(0, 2)
 
 
 def store(n=6):
-    return FragmentStore([torch.zeros(n), torch.ones(n)], self_id="me")
+    return FragmentStore([torch.zeros(n), torch.ones(n), torch.ones(n)], self_id="me")
 
 
 def test_a_new_version_moves_theta_by_the_update():
@@ -60,7 +60,7 @@ def test_a_whole_download_replaces_theta_and_forgets_the_outstanding_delta():
 def test_outstanding_delta_refused_when_the_anchor_moved_since_the_snapshot():
     s = store()
     s.advance(0, GENESIS, V1, torch.ones(6), b"f", b"c")
-    assert not s.set_outstanding(0, GENESIS, torch.ones(6), 1)
+    assert s.set_outstanding(0, GENESIS, torch.ones(6), 1) is None
 
 
 def test_versions_never_regress():
@@ -90,3 +90,35 @@ def test_kept_updates_lead_from_an_old_version_to_the_current_one():
     assert s.updates_after(0, V1) == [b"f2"]
     assert s.updates_after(0, GENESIS) is None, "only the last update is kept"
     assert s.updates_after(0, Version(5, 5)) is None
+
+
+def test_steps_of_a_delta_never_merged_are_counted_by_the_next_one_that_is():
+    s = store()
+    assert s.set_outstanding(0, GENESIS, torch.ones(6), 5, 50) == (5, 50)
+    s.drop_outstanding(0)  # refused: its progress is still in θ, the next delta carries it
+    s.carry(0, 2, 20)  # never sent (the anchor moved)
+    assert s.set_outstanding(0, GENESIS, torch.ones(6), 3, 30) == (10, 100)
+    assert s.set_outstanding(0, GENESIS, torch.ones(6), 1, 10) == (11, 110)  # superseded before a merge
+    s.advance(0, GENESIS, V1, torch.zeros(6), b"f", b"c", contributors=["me"])
+    assert (s.merged_steps, s.merged_tokens) == (11, 110)
+
+
+def test_an_install_forgets_carried_steps_because_it_overwrites_that_progress():
+    s = store()
+    s.carry(0, 4, 40)
+    s.install(0, torch.zeros(6), V1, b"cert")
+    assert s.set_outstanding(0, V1, torch.ones(6), 1, 10) == (1, 10)
+
+
+def test_a_fragment_in_flight_settles_when_merged_refused_or_overwritten():
+    s = store()
+    s.accepted = []
+    for p in (0, 1, 2):
+        s.begin_send(p)
+        s.set_outstanding(p, GENESIS, torch.ones(6), 1)
+        s.end_send(p, accepted=p != 1)  # fragment 1 was refused
+    assert not s.wait_settled([0], timeout=0.01) and s.wait_settled([1], timeout=0.01)
+    s.advance(0, GENESIS, V1, torch.zeros(6), b"f", b"c", contributors=["me"])
+    s.install(2, torch.zeros(6), V2, b"cert")
+    assert s.wait_settled(range(3), timeout=0.01)
+    assert s.take_accepted() == [(0, V1.term, V1.version), (2, V2.term, V2.version)] and s.take_accepted() == []

@@ -29,6 +29,23 @@ def test_a_synchronous_spec_has_no_grace_window():
     tiny_run(synchronous=True, quorum=3, grace_gamma=0.0, grace_cap_s=0.0)
 
 
+def _start_together(genesis) -> list[LocalLearner]:
+    """A synchronous run starts once all its learners are in (a rendezvous): start them concurrently."""
+    learners = [LocalLearner(genesis, 0)]
+    threads = [threading.Thread(target=learners[0].start)]
+    threads[0].start()
+    wait_until(lambda: learners[0].learner.swarm is not None and learners[0].learner.swarm.url, 30,
+               "the first learner's server")
+    for i in (1, 2):
+        learners.append(LocalLearner(genesis, i, peers=[learners[0].url]))
+        threads.append(threading.Thread(target=learners[-1].start))
+        threads[-1].start()
+    for t in threads:
+        t.join(60)
+    assert all(ll.learner.swarm is not None and ll.learner.swarm.progress.synced for ll in learners)
+    return learners
+
+
 def _train_in_threads(learners: list[LocalLearner], steps: int) -> list[BaseException]:
     errors: list[BaseException] = []
 
@@ -50,8 +67,7 @@ def _train_in_threads(learners: list[LocalLearner], steps: int) -> list[BaseExce
 @pytest.mark.timeout(120)
 def test_synchronous_learners_merge_every_delta_and_checkpoint_the_same_versions(tmp_path):
     genesis = tiny_run(synchronous=True, quorum=3, grace_gamma=0.0, grace_cap_s=0.0, inner_steps=8)
-    first = LocalLearner(genesis, 0).start()
-    learners = [first] + [LocalLearner(genesis, i, peers=[first.url]).start() for i in (1, 2)]
+    learners = _start_together(genesis)
     try:
         wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 3 for ll in learners), 20, "3 live members")
         for i, ll in enumerate(learners):
@@ -75,8 +91,7 @@ def test_synchronous_learners_merge_every_delta_and_checkpoint_the_same_versions
 @pytest.mark.timeout(120)
 def test_a_missing_learner_stalls_the_synchronous_round_until_its_deadline():
     genesis = tiny_run(synchronous=True, quorum=3, grace_gamma=0.0, grace_cap_s=0.0, inner_steps=8)
-    first = LocalLearner(genesis, 0).start()
-    learners = [first] + [LocalLearner(genesis, i, peers=[first.url]).start() for i in (1, 2)]
+    learners = _start_together(genesis)
     try:
         wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 3 for ll in learners), 20, "3 live members")
         for ll in learners[:2]:

@@ -1,0 +1,144 @@
+"""Goodput and the swarm's invariants, computed from what learners reported (DESIGN §8).
+
+Every figure here comes from the learners' own counters and version reports, as the chaos harness recorded them
+per incarnation (one process lifetime of one learner slot), never from the fault schedule:
+
+    goodput = Σ_m (inner steps of learner m that reached a published version)
+              ÷ Σ_m (allocated wall time of m × m's nominal steps/s)
+
+- A learner's `merged_steps` counter sums, over its P fragments, the inner steps behind its deltas that an
+  owner merged into a version it then received; one inner step is P fragment-steps, so steps = counter / P. The
+  counter is saved in checkpoints and restored with them.
+- Decoupled: a restarted learner's earlier merges stay in the swarm, so every incarnation adds what it merged
+  while it lived (last reported − value it started from).
+- Synchronous (`rollback=True`): after a failure every learner returns to its last checkpoint, and so does its
+  counter; work merged after that checkpoint was thrown away with the versions that held it. What survives is
+  the final incarnation's last value minus the first one's starting value.
+- Allocated time runs from a slot's first "joined" to the end of the run: a crashed learner's down time and its
+  restart are still paid for.
+
+Invariants:
+- a version regression: a learner accepting a lower (term, version) of a fragment than one it already held (in
+  any earlier incarnation of the same slot; the synchronous baseline's rollbacks start a new epoch);
+- a lost accepted update: two different terms accepted for the same version number of a fragment within one
+  epoch: the swarm forked, and whoever held the losing branch had accepted an update that no longer exists.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Incarnation:
+    """One process lifetime of learner slot `slot`, as the harness saw it (times on the harness's clock)."""
+
+    slot: int
+    launched_at: float
+    epoch: int = 0  # synchronous baseline: the number of fleet rollbacks before this incarnation
+    joined_at: float | None = None
+    ended_at: float | None = None
+    start_merged: int = 0  # merged_steps (fragment-steps) when it joined, restored from a checkpoint
+    last_merged: int = 0
+    start_tokens: int = 0  # merged tokens, the same way
+    last_tokens: int = 0
+    steps: int = 0  # inner steps taken, as last reported
+    accepted: list[tuple[int, int, int]] = field(default_factory=list)  # (p, term, version), in order
+    progress: list[tuple[float, int]] = field(default_factory=list)  # (time, inner step) samples
+    final_eval_loss: float | None = None
+    ended_by: str = ""  # "killed", "aborted" (rollback), "finished", "exited"
+
+
+def merged_steps(incarnations: list[Incarnation], fragments: int, rollback: bool) -> dict[int, float]:
+    """Per slot, the inner steps that reached a surviving published version."""
+    by_slot: dict[int, list[Incarnation]] = defaultdict(list)
+    for inc in incarnations:
+        if inc.joined_at is not None:
+            by_slot[inc.slot].append(inc)
+    out = {}
+    for slot, incs in by_slot.items():
+        incs.sort(key=lambda i: i.launched_at)
+        if rollback:
+            fragment_steps = incs[-1].last_merged - incs[0].start_merged
+        else:
+            fragment_steps = sum(i.last_merged - i.start_merged for i in incs)
+        out[slot] = fragment_steps / fragments
+    return out
+
+
+def merged_tokens(incarnations: list[Incarnation], rollback: bool) -> int:
+    """Σ over slots of the tokens that reached a surviving version (same rules as `merged_steps`)."""
+    by_slot: dict[int, list[Incarnation]] = defaultdict(list)
+    for inc in incarnations:
+        if inc.joined_at is not None:
+            by_slot[inc.slot].append(inc)
+    total = 0
+    for incs in by_slot.values():
+        incs.sort(key=lambda i: i.launched_at)
+        if rollback:
+            total += incs[-1].last_tokens - incs[0].start_tokens
+        else:
+            total += sum(i.last_tokens - i.start_tokens for i in incs)
+    return total
+
+
+def allocated_s(incarnations: list[Incarnation], end: float) -> dict[int, float]:
+    """Per slot, the wall time from its first join to the end of the run."""
+    first: dict[int, float] = {}
+    for inc in incarnations:
+        if inc.joined_at is not None:
+            first[inc.slot] = min(first.get(inc.slot, inc.joined_at), inc.joined_at)
+    return {slot: max(0.0, end - t) for slot, t in first.items()}
+
+
+def goodput(incarnations: list[Incarnation], fragments: int, nominal_steps_per_s: dict[int, float], end: float,
+            rollback: bool) -> float:
+    """DESIGN §8's goodput of one run."""
+    steps = merged_steps(incarnations, fragments, rollback)
+    alloc = allocated_s(incarnations, end)
+    possible = sum(alloc[s] * nominal_steps_per_s[s] for s in alloc)
+    return sum(steps.values()) / possible if possible > 0 else 0.0
+
+
+def version_regressions(incarnations: list[Incarnation]) -> int:
+    """Accepted versions lower than one the same slot already held (epochs reset what was held)."""
+    held: dict[tuple[int, int, int], tuple[int, int]] = {}  # (epoch, slot, p) -> highest (term, version)
+    count = 0
+    for inc in sorted(incarnations, key=lambda i: i.launched_at):
+        for p, term, version in inc.accepted:
+            key, label = (inc.epoch, inc.slot, p), (term, version)
+            if key in held and label < held[key]:
+                count += 1
+            else:
+                held[key] = label
+    return count
+
+
+def lost_accepted_updates(incarnations: list[Incarnation]) -> int:
+    """Σ over (epoch, fragment, version number) of (distinct terms accepted − 1)."""
+    terms: dict[tuple[int, int, int], set[int]] = defaultdict(set)
+    for inc in incarnations:
+        for p, term, version in inc.accepted:
+            terms[(inc.epoch, p, version)].add(term)
+    return sum(len(t) - 1 for t in terms.values())
+
+
+def loss_at_tokens(points: list[tuple[float, float]], tokens: float, window: int = 4) -> float | None:
+    """Eval loss at `tokens` from (merged tokens, eval loss) samples of a run: a running mean over `window`
+    neighbouring samples (learners evaluate their own replicas, which differ a little), linearly interpolated;
+    clamped to the first and last samples. None without samples."""
+    if not points:
+        return None
+    pts = sorted(points)
+    xs = [x for x, _ in pts]
+    ys = [sum(y for _, y in pts[max(0, i - window + 1): i + 1]) / len(pts[max(0, i - window + 1): i + 1])
+          for i in range(len(pts))]
+    if tokens <= xs[0]:
+        return ys[0]
+    if tokens >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, tokens)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
