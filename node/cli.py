@@ -410,6 +410,81 @@ def simulate_cmd(chips: str, learners: str, mtbi_years: float | None, overrides:
         click.echo(_json.dumps({"rows": rows, "params": params_json(params, mtbi_s, des)}))
 
 
+@main.command()
+@click.option("--peers", default=4, show_default=True, type=click.IntRange(min=2), help="M: learner processes.")
+@click.option("--minutes", default=5.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Length of each mode's run (and of the no-failure run).")
+@click.option("--mtbf", "mtbf_s", default=150.0, show_default=True, type=click.FloatRange(min=0),
+              help="Mean seconds between failures of each learner, counted while it is up (0: no faults).")
+@click.option("--downtime", "downtime_s", default=3.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds a killed learner stays down before it is restarted.")
+@click.option("--mode", default="both", show_default=True, type=click.Choice(["decoupled", "sync", "both"]))
+@click.option("--seed", default=0, show_default=True, help="Seed of the fault schedule.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the event log, per-learner metrics, summary and plots go (default: a fresh temp dir).")
+@click.option("--pace", "pace_s", default=0.12, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds per inner step of every learner (an emulated fixed-speed chip).")
+@click.option("--inner-steps", default=50, show_default=True, type=click.IntRange(min=1), help="H of both runs.")
+@click.option("--checkpoint-every", default=100, show_default=True, type=click.IntRange(min=1),
+              help="Inner steps between the learners' checkpoints (what the sync baseline rolls back to).")
+@click.option("--owner-every", default=3, show_default=True, type=click.IntRange(min=0),
+              help="Every N-th fault is aimed at whoever owns a fragment at that moment (0: none).")
+@click.option("--straggler", multiple=True, metavar="SLOT:FACTOR",
+              help="Make learner SLOT's steps FACTOR times slower (repeatable).")
+@click.option("--no-baseline", is_flag=True, help="Skip the no-failure run (no no_failure_eval_loss).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
+def chaos(peers: int, minutes: float, mtbf_s: float, downtime_s: float, mode: str, seed: int, out: Path | None,
+          pace_s: float, inner_steps: int, checkpoint_every: int, owner_every: int, straggler: tuple[str, ...],
+          no_baseline: bool, as_json: bool) -> None:
+    """Kill and restart learners on a seeded schedule; compare decoupled with the synchronous baseline.
+
+    Runs the same fleet on the same fault schedule in each mode, then once without faults, and reports goodput
+    (DESIGN §8, from the learners' own counters), eval loss at equal tokens, and the invariants (version
+    regressions, unloadable checkpoints, lost accepted updates), with the fleet simulator's prediction for the
+    same schedule. Writes events.jsonl, metrics.jsonl, summary.json and PNG plots to --out.
+    """
+    import json as _json
+
+    from .chaos import ChaosError
+    from .chaos_run import RESULT_KEYS, ChaosOptions, run_chaos
+
+    slow: dict[int, float] = {}
+    for item in straggler:
+        try:
+            slot, factor = item.split(":")
+            slow[int(slot)] = float(factor)
+        except ValueError:
+            raise UserError(f"--straggler {item!r}: expected SLOT:FACTOR, e.g. 2:1.5") from None
+        if not 0 <= int(slot) < peers or float(factor) < 1:
+            raise UserError(f"--straggler {item!r}: SLOT must be 0..{peers - 1} and FACTOR >= 1")
+    opts = ChaosOptions(peers=peers, minutes=minutes, mtbf_s=mtbf_s, downtime_s=downtime_s, mode=mode, seed=seed,
+                        out=out, json=as_json, pace_s=pace_s, inner_steps=inner_steps,
+                        checkpoint_every=checkpoint_every, owner_every=owner_every, stragglers=slow,
+                        no_failure=not no_baseline)
+    try:
+        result = run_chaos(opts, say=lambda line: click.echo(line, err=as_json))
+    except (ChaosError, RuntimeError) as e:
+        raise UserError(str(e)) from None
+    modes = [m for m in ("decoupled", "sync") if m in result]
+    click.echo("", err=as_json)
+    click.echo(f"{'':24}" + "".join(f"{m:>14}" for m in modes), err=as_json)
+    for key in (*RESULT_KEYS, "predicted_goodput"):
+        click.echo(f"{key:24}" + "".join(f"{_fmt(result[m].get(key)):>14}" for m in modes), err=as_json)
+    if "no_failure_eval_loss" in result:
+        click.echo(f"no-failure eval loss at the decoupled run's merged tokens: {_fmt(result['no_failure_eval_loss'])}",
+                   err=as_json)
+    click.echo(f"output: {result['out']}", err=as_json)
+    if as_json:
+        keep = {m: {k: result[m][k] for k in (*RESULT_KEYS, "predicted_goodput")} for m in modes}
+        if "no_failure_eval_loss" in result:
+            keep["no_failure_eval_loss"] = result["no_failure_eval_loss"]
+        click.echo(_json.dumps(keep))
+
+
+def _fmt(v: object) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
 def load_identity(path: Path | None) -> Identity:
     """Load a key for a command, turning key-file problems into one-line user errors."""
     try:

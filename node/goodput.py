@@ -46,7 +46,7 @@ class Incarnation:
     last_tokens: int = 0
     steps: int = 0  # inner steps taken, as last reported
     accepted: list[tuple[int, int, int]] = field(default_factory=list)  # (p, term, version), in order
-    progress: list[tuple[float, int]] = field(default_factory=list)  # (time, inner step) samples
+    progress: list[tuple[float, int, int]] = field(default_factory=list)  # (time, inner step, merged_steps)
     final_eval_loss: float | None = None
     ended_by: str = ""  # "killed", "aborted" (rollback), "finished", "exited"
 

@@ -9,8 +9,8 @@ chip-time spent on steps that survive (a down learner is still paid for).
 
 * ``dp`` (non-elastic): any failure stops everyone for R = detect + downtime + restart and loses the work since
   the last checkpoint. A checkpoint follows every τ = ckpt_interval_s of progress and stalls ckpt_write_s = W,
-  so the job completes blocks of B = τ + W and keeps τ per block; work not checkpointed by T is lost. M does
-  not matter. τ = 0 (default) means the model's own optimum: x = Λτ solves 1 - e^{-(x+ΛW)} = x (the exact
+  so the job completes blocks of B = τ + W and keeps τ per block; the stretch after the last failure is never
+  rolled back, so all of it counts (at τ/B). M does not matter. τ = 0 (default) means the model's own optimum: x = Λτ solves 1 - e^{-(x+ΛW)} = x (the exact
   form of Young/Daly's √(2W/Λ)), at least one step; with no failures, one checkpoint at the end.
 * ``dp_elastic``: a failed learner's slice is out for R; each survivor in the group stalls detect + reconfig
   (it must notice the failure, then re-form the group) and loses the current step (step_s); the failed learner
@@ -31,7 +31,8 @@ E ∫_0^{T-L} 1{no failure in (t-R, t+L]} dt = e^{-ρL} [(1 - e^{-ρ·min(R, T-L
 * decoupled: goodput = e_d · up(λ, R_d, L, T) / T                          → e_d · e^{-λ(R_d + L)}
 * dp: E[blocks done by T] = Σ_{k≤T/B} e^{-ΛkB} + Λe^{-ΛR} Σ_k e^{-ΛkB}(T-R-kB)⁺ (the first term: the block
   run from t = 0; the second, by the Mecke formula: a block run from each failure u, done at u+R+kB if no
-  failure in between); goodput = e_s · τ · E[blocks] / T                       → e_s · τΛe^{-ΛR} / (e^{ΛB} - 1)
+  failure in between); goodput = e_s · (τ · E[blocks] + E[tail]) / T         → e_s · τΛe^{-ΛR} / (e^{ΛB} - 1),
+  E[tail] = τ·E[frac(x/B)] for the stretch x after the last failure (integrated numerically, `_dp_tail`)
 * dp_elastic, per learner: I = up(λ, R, 0, T) in the group; λI departures; λe^{-λR}(T-R)⁺ rejoins; another
   learner's events that find this one in the group: λ(d+r+s)·up(2λ, R, 0, T) + rλe^{-2λR}(T-R)⁺. Goodput =
   e_s · max(0, I - s·λI - r·rejoins - (M-1)·cross) / T          → e_s · max(0, p - λp((M-1)p(d+2r+s) + s + r)),
@@ -215,7 +216,21 @@ def _dp(job_rate: float, p: SimParams) -> float:
     first = np.exp(-job_rate * b * np.arange(1, k1 + 1)).sum()
     k = np.arange(1, k2 + 1)
     later = job_rate * _exp(-job_rate * r) * (np.exp(-job_rate * b * k) * (big_t - r - k * b)).sum()
-    return p.sync_efficiency * tau * float(first + later) / big_t
+    return p.sync_efficiency * (tau * float(first + later) + _dp_tail(job_rate, r, tau, b, big_t)) / big_t
+
+
+def _dp_tail(job_rate: float, r: float, tau: float, b: float, big_t: float, grid: int = 200_001) -> float:
+    """E[progress of the unfinished block at T]: no failure follows it, so nothing rolls it back; it counts.
+    The last stretch runs from the last failure (density Λe^{-Λv} at v = T - u) or from 0 (probability e^{-ΛT})."""
+    def frac(x: np.ndarray | float) -> np.ndarray | float:
+        return tau * (np.asarray(x) / b - np.floor(np.asarray(x) / b))
+
+    from_start = _exp(-job_rate * big_t) * float(frac(big_t))
+    if job_rate == 0:
+        return from_start
+    v = np.linspace(0.0, big_t, grid)
+    f = job_rate * np.exp(-job_rate * v) * frac(np.maximum(v - r, 0.0))
+    return from_start + float(np.sum((f[1:] + f[:-1]) * np.diff(v)) / 2)
 
 
 def expected_goodput(mode: str, chips: int, learners: int, mtbi_s: float, params: SimParams) -> float:
@@ -265,8 +280,8 @@ def replay(mode: str, learners: int, failures: Sequence[Sequence[float]], params
     if mode == "dp" or learners == 1:
         f = np.sort(np.concatenate(fs))
         tau = checkpoint_interval(params, len(f) / big_t)
-        g = _gaps(f, params.recovery_s, big_t) - params.recovery_s
-        blocks = np.floor(np.maximum(g, 0.0) / (tau + params.ckpt_write_s)).sum()
+        g = np.maximum(_gaps(f, params.recovery_s, big_t) - params.recovery_s, 0.0) / (tau + params.ckpt_write_s)
+        blocks = np.floor(g[:-1]).sum() + g[-1]  # the last stretch is never rolled back: all of it counts
         return params.sync_efficiency * tau * float(blocks) / big_t
     if mode == "decoupled":
         cut = params.decoupled_out_s + params.unmerged_s

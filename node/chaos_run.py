@@ -1,0 +1,236 @@
+"""`diloco-node chaos`: decoupled vs synchronous goodput on one fault schedule, and what it all means.
+
+The steps, all in one run and one output folder:
+1. write a creator key and two run specs of the same task and model: decoupled (the defaults users run,
+   quorum 2) and sync (`synchronous`, quorum = every learner);
+2. measure the nominal rate: the M learners training standalone side by side, paced like the fleets;
+3. draw one seeded fault schedule and run each requested mode on it (`node/chaos.py`);
+4. run the decoupled fleet once more without faults: its eval loss at the decoupled run's merged tokens is
+   `no_failure_eval_loss` (quality compared at equal tokens, as in the paper);
+5. compute goodput and the invariants from the learners' reports (`node/goodput.py`), the simulator's
+   prediction for the same fleet (`node/simulate.py`), and draw the plots (`node/chaos_plot.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import goodput as gp
+from .chaos import Fleet, FleetRun, fault_schedule
+
+MODES = ("decoupled", "sync")
+RESULT_KEYS = ("goodput", "final_eval_loss", "merged_tokens", "failures", "version_regressions",
+               "unloadable_checkpoints", "lost_accepted_updates")
+
+
+@dataclass
+class ChaosOptions:
+    peers: int = 4
+    minutes: float = 5.0
+    mtbf_s: float = 150.0  # per learner, counted while it is up
+    downtime_s: float = 3.0
+    mode: str = "both"
+    seed: int = 0
+    out: Path | None = None
+    json: bool = False
+    pace_s: float = 0.12  # the emulated chip: 4 learners × ~35 ms of compute per step fit 2 cores with room
+    inner_steps: int = 50  # H
+    fragments: int = 4  # P
+    checkpoint_every: int = 100  # inner steps (12 s at the default pace)
+    eval_every: int = 100
+    calibrate_s: float = 20.0
+    owner_every: int = 3  # every third fault is aimed at a fragment's current owner
+    stragglers: dict[int, float] = field(default_factory=dict)  # slot -> step-time factor
+    no_failure: bool = True
+
+
+def make_specs(out: Path, opts: ChaosOptions) -> dict[str, Path]:
+    from diloco.protocol.identity import Identity
+
+    from .train import new_run
+
+    creator = Identity.generate()
+    common = dict(task="markov", inner_steps=opts.inner_steps, fragments=opts.fragments, codec="int8")
+    specs = {
+        "decoupled": new_run(creator, "chaos-decoupled", quorum=min(2, opts.peers), **common),
+        "sync": new_run(creator, "chaos-sync", quorum=opts.peers, synchronous=True, grace_gamma=0.0,
+                        grace_cap_s=0.0, **common),
+    }
+    return {mode: g.save(out / f"{mode}.spec") for mode, g in specs.items()}
+
+
+def nominal_rates(run: FleetRun, warmup_s: float = 3.0) -> dict[int, float]:
+    """Steps/s of each standalone learner after a short warm-up."""
+    rates = {}
+    for inc in run.incarnations:
+        samples = [(t, s) for t, s, _ in inc.progress if t >= inc.progress[0][0] + warmup_s] if inc.progress else []
+        if len(samples) >= 2 and samples[-1][0] > samples[0][0]:
+            rates[inc.slot] = (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
+    return rates
+
+
+def summarize(run: FleetRun, fragments: int, nominal: dict[int, float]) -> dict[str, Any]:
+    rollback = run.mode == "sync"
+    incs = run.incarnations
+    finals = [i.final_eval_loss for i in incs if i.final_eval_loss is not None and i.ended_by == "finished"]
+    return {
+        "goodput": round(gp.goodput(incs, fragments, nominal, run.ended_at, rollback), 4),
+        "final_eval_loss": round(statistics.fmean(finals), 4) if finals else None,
+        "merged_tokens": gp.merged_tokens(incs, rollback),
+        "failures": run.failures,
+        "version_regressions": gp.version_regressions(incs),
+        "unloadable_checkpoints": len(run.corrupt_checkpoints),
+        "lost_accepted_updates": gp.lost_accepted_updates(incs),
+        "aborts": run.aborts,
+        "unexpected_exits": run.unexpected_exits,
+        "merged_steps": round(sum(gp.merged_steps(incs, fragments, rollback).values()), 1),
+        "allocated_s": round(sum(gp.allocated_s(incs, run.ended_at).values()), 1),
+        "restart_s": round(restart_s(run), 2),
+    }
+
+
+def restart_s(run: FleetRun) -> float:
+    """Mean time from a relaunch to the learner's join (imports, checkpoint load, state download)."""
+    first = {}
+    for inc in sorted(run.incarnations, key=lambda i: i.launched_at):
+        first.setdefault(inc.slot, inc)
+    later = [i.joined_at - i.launched_at for i in run.incarnations
+             if i.joined_at is not None and first[i.slot] is not i]
+    return statistics.fmean(later) if later else 0.0
+
+
+def step_efficiency(run: FleetRun, nominal: dict[int, float], warmup_s: float = 3.0) -> float:
+    """Failure-free speed: inner steps/s of the learners while they ran, after a short warm-up per incarnation,
+    ÷ their nominal rate (time-weighted). Synchronous learners wait for merges: it shows here."""
+    steps = possible = 0.0
+    for inc in run.incarnations:
+        pts = [(t, s) for t, s, _ in inc.progress if inc.progress and t >= inc.progress[0][0] + warmup_s]
+        if len(pts) >= 2:
+            steps += pts[-1][1] - pts[0][1]
+            possible += (pts[-1][0] - pts[0][0]) * nominal[inc.slot]
+    return steps / possible if possible else 1.0
+
+
+def unmerged_at_end_s(run: FleetRun, fragments: int, step_s: float) -> float:
+    """Mean work still unmerged when the run ended (inner steps taken but not yet in a version), in seconds."""
+    ends = [(i.steps - (i.last_merged - i.start_merged) / fragments) for i in run.incarnations
+            if i.ended_by == "finished" and i.joined_at is not None and i.start_merged == 0]
+    return statistics.fmean(ends) * step_s if ends else 0.0
+
+
+def sync_restart_s(run: FleetRun) -> float:
+    """Mean time from a synchronous job's relaunch to every learner joined (the rendezvous included)."""
+    spans = []
+    for epoch in {i.epoch for i in run.incarnations if i.epoch > 0}:
+        incs = [i for i in run.incarnations if i.epoch == epoch]
+        if all(i.joined_at is not None for i in incs):
+            spans.append(max(i.joined_at for i in incs) - min(i.launched_at for i in incs))
+    return statistics.fmean(spans) if spans else 0.0
+
+
+def predict(run: FleetRun, opts: ChaosOptions, nominal: dict[int, float]) -> dict[str, Any]:
+    """The simulator's goodput for this very fleet: its kill schedule replayed with the costs measured here.
+
+    Measured inputs: step time (1 / nominal rate), restart time, failure-free step efficiency, and (decoupled)
+    the work still unmerged at the end of the run, which sets L = H/2 steps + merge latency. Configured: down
+    time, checkpoint period (checkpoint_every steps), H, P. Detection costs 0: the harness aborts a sync job at
+    once. The prediction is a check of the model, so none of the inputs is the goodput itself."""
+    from .simulate import SimParams, replay
+
+    step_s = 1.0 / statistics.fmean(nominal.values())
+    t0_wall = next(e["t"] for e in run.events if e["event"] == "fleet_up")
+    failures: list[list[float]] = [[] for _ in range(opts.peers)]
+    for e in run.events:
+        if e["event"] in ("fault", "fault_while_down", "unexpected_exit"):
+            failures[e["slot"]].append(e["t"] - t0_wall)
+    sync = run.mode == "sync"
+    merge_latency = 0.0 if sync else max(0.0, unmerged_at_end_s(run, opts.fragments, step_s)
+                                         - opts.inner_steps / 2 * step_s)
+    restart = sync_restart_s(run) if sync else restart_s(run)
+    efficiency = min(1.0, step_efficiency(run, nominal))  # a hair above 1 is timing noise
+    params = SimParams(step_s=step_s, inner_steps=opts.inner_steps, fragments=opts.fragments, detect_s=0.0,
+                       downtime_s=opts.downtime_s, restart_s=restart, reconfig_s=0.0,
+                       ckpt_interval_s=opts.checkpoint_every * step_s, ckpt_write_s=0.0,
+                       merge_latency_s=merge_latency, sync_efficiency=efficiency, decoupled_efficiency=efficiency,
+                       horizon_s=run.ended_at - run.started_at)
+    g = replay("dp" if sync else "decoupled", opts.peers, failures, params)
+    return {"predicted_goodput": round(g, 4),
+            "sim_params": {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(params).items()}}
+
+
+def run_chaos(opts: ChaosOptions, say: Callable[[str], None] = print) -> dict[str, Any]:
+    out = Path(opts.out) if opts.out else Path(tempfile.mkdtemp(prefix="diloco-chaos-"))
+    out.mkdir(parents=True, exist_ok=True)
+    modes = MODES if opts.mode == "both" else (opts.mode,)
+    specs = make_specs(out, opts)
+    seconds = opts.minutes * 60
+    faults = fault_schedule(opts.peers, seconds, opts.mtbf_s, opts.downtime_s, opts.seed, opts.owner_every,
+                            opts.fragments)
+    (out / "schedule.json").write_text(json.dumps({"options": _jsonable(opts), "faults": [asdict(f) for f in faults]},
+                                                  indent=1))
+    say(f"chaos: {opts.peers} learners, {opts.minutes:g} min per mode, MTBF {opts.mtbf_s:g} s, down time "
+        f"{opts.downtime_s:g} s: {len(faults)} faults scheduled; output in {out}")
+
+    def fleet(mode: str, spec: str, workdir: str, **kw: Any) -> Fleet:
+        return Fleet(mode, specs[spec], out / workdir, opts.peers, opts.pace_s, opts.checkpoint_every,
+                     opts.eval_every, slowdown=opts.stragglers, **kw)
+
+    say(f"measuring the nominal rate: {opts.peers} standalone learners side by side for {opts.calibrate_s:g} s")
+    calib = fleet("standalone", "decoupled", "standalone", standalone=True).run_for(opts.calibrate_s, [], 0.0)
+    nominal = nominal_rates(calib)
+    if len(nominal) != opts.peers:
+        raise RuntimeError(f"calibration measured {len(nominal)} of {opts.peers} learners; see {out / 'standalone'}")
+    say("nominal steps/s: " + ", ".join(f"{r:.2f}" for _, r in sorted(nominal.items())))
+
+    runs: dict[str, FleetRun] = {}
+    result: dict[str, Any] = {}
+    for mode in modes:
+        t = time.monotonic()
+        say(f"running {mode} for {opts.minutes:g} min")
+        runs[mode] = fleet(mode, mode, mode).run_for(seconds, faults, opts.downtime_s)
+        result[mode] = summarize(runs[mode], opts.fragments, nominal)
+        result[mode].update(predict(runs[mode], opts, nominal))
+        say(f"{mode}: {json.dumps(result[mode])}  ({time.monotonic() - t:.0f} s)")
+    if opts.no_failure:
+        say(f"running decoupled without faults for {opts.minutes:g} min (eval loss at equal tokens)")
+        runs["no_failure"] = fleet("no_failure", "decoupled", "no_failure").run_for(seconds, [], opts.downtime_s)
+        points = [(tok, loss) for _, tok, loss in runs["no_failure"].evals]
+        at = result.get("decoupled", {}).get("merged_tokens")
+        loss = gp.loss_at_tokens(points, at) if at is not None else None
+        result["no_failure_eval_loss"] = round(loss, 4) if loss is not None else None
+        result["no_failure"] = summarize(runs["no_failure"], opts.fragments, nominal)
+    result["nominal_steps_per_s"] = {str(k): round(v, 3) for k, v in sorted(nominal.items())}
+    result["out"] = str(out)
+    (out / "summary.json").write_text(json.dumps(result, indent=1))
+    _write_metrics(out, runs)
+    try:
+        from .chaos_plot import plot
+
+        for path in plot(out, runs, nominal, opts.fragments):
+            say(f"plot: {path}")
+    except ImportError as e:
+        say(f"no plots ({e.name} is missing): pip install 'diloco-node[plots]'")
+    return result
+
+
+def _write_metrics(out: Path, runs: dict[str, FleetRun]) -> None:
+    """Per learner incarnation: what it reported (the input of every figure), one JSON line each."""
+    with open(out / "metrics.jsonl", "w") as f:
+        for mode, run in runs.items():
+            for inc in run.incarnations:
+                row = {k: v for k, v in asdict(inc).items() if k not in ("accepted", "progress")}
+                f.write(json.dumps({"mode": mode, **row, "accepted_versions": len(inc.accepted)}) + "\n")
+
+
+def _jsonable(opts: ChaosOptions) -> dict:
+    d = asdict(opts)
+    d["out"] = str(d["out"]) if d["out"] else None
+    d["stragglers"] = {str(k): v for k, v in opts.stragglers.items()}
+    return d
