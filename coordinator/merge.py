@@ -4,14 +4,16 @@ Pure tensor math, no network and no state. Each contribution is weighted by the 
 discounted by its staleness; non-finite deltas are refused; outlier norms are clipped to c·median; then
 non-embedding fragments use radial-directional averaging (RDA) and embedding fragments the weighted mean.
 Deltas are 1-D fragments (plan.py); arithmetic is fp32 with fp64 norms and scalar weights. Loops run over
-contributions, never over elements.
+contributions, never over elements. A contribution's delta may be a zero-argument callable that produces it
+(an owner decodes from the bytes it holds): `merge` then streams, holding one decoded delta at a time (it
+makes two passes, norms then sums), instead of all M at once.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +38,7 @@ class NonFiniteDelta(InvalidContribution):
 class Contribution:
     """One learner's pseudo-gradient Δ = Θ_anchor − θ_local for a fragment, with the counters behind it."""
 
-    delta: Tensor
+    delta: Tensor | Callable[[], Tensor]  # or what produces it, called once per pass of `merge`
     tokens: int
     steps: int
     staleness: int = 0
@@ -56,9 +58,13 @@ def token_weight(tokens: int, steps: int, staleness: int = 0) -> float:
     return tokens * (tokens / steps) / (1 + staleness)
 
 
-def validate(c: Contribution, numel: int | None = None) -> float:
+def delta_of(c: Contribution) -> Tensor:
+    return c.delta() if callable(c.delta) else c.delta
+
+
+def validate(c: Contribution, numel: int | None = None, delta: Tensor | None = None) -> float:
     """Check one contribution and return ‖Δ‖ (fp64); raise `InvalidContribution`/`NonFiniteDelta`."""
-    d = c.delta
+    d = delta_of(c) if delta is None else delta
     who = f"contribution of {c.learner!r}" if c.learner else "contribution"
     if not isinstance(d, Tensor) or d.dim() != 1 or not d.is_floating_point():
         raise InvalidContribution(f"{who}: delta must be a 1-D floating tensor")
@@ -117,10 +123,15 @@ def rda(deltas: Sequence[Tensor], weights: Sequence[float], norms: Sequence[floa
     for d, w, n in zip(deltas, weights, norms, strict=True):
         if n >= _TINY:  # φ(Δ_m) = Δ_m/‖Δ_m‖, else 0
             direction.add_(d, alpha=w / (total * n))
+    return _finish_rda(direction, radius, len(deltas))
+
+
+def _finish_rda(direction: Tensor, radius: float, count: int) -> Tensor:
+    """u = Σ w_m φ(Δ_m)/Σ w_m, in place: radius · φ(u)."""
     length = torch.linalg.vector_norm(direction, dtype=torch.float64).item()
     # ‖u‖ <= 1 (a mean of unit vectors). When the directions cancel, what is left of u is fp32 rounding
     # (about M·ε); normalising it would blow noise up to the full radius, so treat it as 0: φ(0) = 0.
-    if length <= 4 * len(deltas) * _EPS or radius == 0.0:
+    if length <= 4 * count * _EPS or radius == 0.0:
         return direction.zero_()
     return direction.mul_(radius / length)
 
@@ -137,6 +148,7 @@ def merge(
     `is_embedding` merges the whole fragment with the weighted mean, otherwise RDA is used; a fragment that
     mixes both kinds passes `embedding_numel=Fragment.embedding_numel` instead: its first `embedding_numel`
     elements (the embedding tensors) get the weighted mean and the rest RDA. Clipping uses the whole delta.
+    The same sums as `weighted_mean` and `rda` on the clipped deltas, taken one contribution at a time.
 
     Raises `InvalidContribution` (or its subclass `NonFiniteDelta`) for the first bad contribution: validate
     each one with `validate` on receipt and drop the bad ones so that this never raises.
@@ -146,28 +158,35 @@ def merge(
         raise ValueError("merge needs at least one contribution")
     if not clip_c > 0:
         raise ValueError(f"clip_c must be positive, got {clip_c}")
-    numel = cs[0].delta.numel()
+    first = delta_of(cs[0])
+    numel = first.numel()
     k = numel if is_embedding else (embedding_numel or 0)
     if not 0 <= k <= numel or (is_embedding and embedding_numel not in (None, numel)):
         raise ValueError(f"embedding_numel={embedding_numel} does not fit a fragment of {numel} elements")
-    norms = [validate(c, numel) for c in cs]
+    norms, tails = [], []  # ‖Δ_m‖, and ‖Δ_m[k:]‖ (the RDA part's own norm)
+    for i, c in enumerate(cs):
+        d = first if i == 0 else delta_of(c)
+        norms.append(validate(c, numel, d))
+        tails.append(norms[-1] if k == 0 else torch.linalg.vector_norm(d[k:], dtype=torch.float64).item())
+        del d
+    del first
     weights = [token_weight(c.tokens, c.steps, c.staleness) for c in cs]
     total = math.fsum(weights)
     factors = clip_factors(norms, clip_c)
-    # Clipping is rare: only clipped deltas are copied.
-    deltas = [
-        c.delta if s == 1.0 else c.delta.to(torch.float32) * s for c, s in zip(cs, factors, strict=True)
-    ]
-    if k == numel:
-        delta = weighted_mean(deltas, weights)
-    elif k == 0:
-        delta = rda(deltas, weights, [n * s for n, s in zip(norms, factors, strict=True)])
-    else:  # embedding prefix, the rest RDA (its norms are those of the slice)
-        delta = torch.cat(
-            [weighted_mean([d[:k] for d in deltas], weights), rda([d[k:] for d in deltas], weights)]
-        )
+    out = torch.zeros(numel, dtype=torch.float32)
+    mean, direction = out[:k], out[k:]
+    for c, w, s, n in zip(cs, weights, factors, tails, strict=True):
+        d = delta_of(c)
+        if k:
+            mean.add_(d[:k], alpha=w * s / total)
+        if k < numel and n * s >= _TINY:  # φ(sΔ_m) = Δ_m/‖Δ_m‖ (clipping keeps the direction), else 0
+            direction.add_(d[k:], alpha=w / (total * n))
+        del d
+    if k < numel:
+        radius = math.fsum(w * n * s for w, n, s in zip(weights, tails, factors, strict=True)) / total
+        _finish_rda(direction, radius, len(cs))
     return MergeResult(
-        delta=delta,
+        delta=out,
         weights=[w / total for w in weights],
         clipped=sum(1 for s in factors if s < 1.0),
         total_tokens=sum(c.tokens for c in cs),

@@ -8,19 +8,24 @@ learners costs M compressed copies, not M fp32 ones, while it waits.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import Tensor
 
-from diloco.protocol.codecs import Codec
+from diloco.protocol.codecs import Codec, get_codec
 from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
 
+from .fragments import Encoded
 from .grace import QuorumTracker
 from .merge import Contribution, InvalidContribution, merge
 from .outer import OuterOptimizer
 from .version import Version
+
+
+RESIDUAL_CODEC = get_codec("int8")
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,7 @@ class FragmentOwner:
         self.p, self.numel, self.embedding_numel = p, numel, embedding_numel
         self.codec, self.outer, self.settings, self.term = codec, outer, settings, term
         self.momentum = momentum
-        self.residual: Tensor | None = None
+        self.residual: Encoded | None = None  # error feedback, kept int8: 1 B/param instead of 4
         self.pending: dict[str, PendingDelta] = {}
         self.tracker = QuorumTracker(learners, settings.quorum, settings.gamma, settings.tau, settings.cap_s, clock,
                                      strict=settings.strict_quorum)
@@ -129,7 +134,8 @@ class FragmentOwner:
         the pending deltas (it may run in a worker thread); the caller applies `Publication.update` once
         the publication is replicated."""
         contributions = [
-            Contribution(self._decode_one(d), d.tokens, d.steps, max(0, current.version - d.base.version), d.learner)
+            Contribution(functools.partial(self._decode_one, d), d.tokens, d.steps,
+                         max(0, current.version - d.base.version), d.learner)
             for d in batch
         ]
         if not contributions:
@@ -139,11 +145,13 @@ class FragmentOwner:
         self.momentum = stepped.momentum
         update = stepped.theta.sub_(anchor)  # U = Θ^(v+1) − Θ^(v), in the buffer of Θ^(v+1)
         if self.settings.error_feedback and self.residual is not None:
-            update.add_(self.residual)
+            update.add_(self.residual.decode(self.numel))
         meta, payload = self.codec.encode(update)
         decoded = self.codec.decode(meta, payload, max_elements=self.numel)
         if self.settings.error_feedback:
-            self.residual = update.sub_(decoded)
+            # what the codec dropped, carried into the next update; its own int8 rounding (~1/256 of a
+            # residual that is itself ~1/256 of the update) is not carried
+            self.residual = Encoded(RESIDUAL_CODEC, *RESIDUAL_CODEC.encode(update.sub_(decoded)))
         return Publication(
             p=self.p,
             base=current,

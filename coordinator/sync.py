@@ -211,7 +211,9 @@ class FragmentSync:
         if f.p != p or len(data) != self.store.numel(p) * 4:
             raise Malformed(f"fragment download does not match fragment {p}")
         anchor = torch.frombuffer(data, dtype=torch.float32)
-        if anchor_digest(anchor) != f.digest:
+        # SHA-256 releases the GIL: in a thread, downloads of several fragments hash in parallel, and the
+        # event loop keeps serving meanwhile
+        if await asyncio.to_thread(anchor_digest, anchor) != f.digest:
             raise DigestMismatch(f"downloaded fragment {p} does not match its certificate")
         if f.new > self.store.label(p) or (repair and f.new == self.store.label(p)):
             with contextlib.suppress(StaleVersion):  # same version, same bytes: nothing to repair

@@ -202,3 +202,24 @@ def test_drop_stale_keeps_up_to_max_staleness_and_counts_the_rest():
     kept, dropped = drop_stale(cs, max_staleness=2)
     assert [c.staleness for c in kept] == [0, 2]
     assert dropped == 2
+
+
+def test_deltas_given_as_callables_merge_the_same_one_at_a_time():
+    g = torch.Generator().manual_seed(5)
+    deltas = [torch.randn(300, generator=g) * (1 + 9 * (i == 3)) for i in range(5)]  # one gets clipped
+    calls = [0] * 5
+
+    def source(i):
+        def make():
+            calls[i] += 1
+            return deltas[i].clone()
+        return make
+
+    for emb in (None, 100, 300):
+        direct = merge([Contribution(d, 10 + i, 5) for i, d in enumerate(deltas)], embedding_numel=emb,
+                       is_embedding=emb == 300)
+        lazy = merge([Contribution(source(i), 10 + i, 5) for i in range(5)], embedding_numel=emb,
+                     is_embedding=emb == 300)
+        assert torch.allclose(direct.delta, lazy.delta, atol=1e-6) and direct.weights == lazy.weights
+        assert lazy.clipped == direct.clipped == 1
+    assert calls == [6] * 5  # two passes (norms, then sums) per merge: never all decoded at once

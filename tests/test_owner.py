@@ -83,5 +83,6 @@ def test_error_feedback_keeps_what_the_codec_dropped_from_the_update():
     for _ in range(3):
         o.offer(delta("a", 0.01 * (1 + torch.rand(1).item()), codec=int4), GENESIS)
         pub = o.step(o.take_round(), anchor, GENESIS)
-        assert o.residual is not None and o.residual.abs().max() > 0
+        assert o.residual is not None and o.residual.decode(N).abs().max() > 0
+        assert len(o.residual.payload) < 4 * N  # kept compressed
         anchor += pub.update
