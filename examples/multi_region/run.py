@@ -23,6 +23,8 @@ With --json the last line is one JSON object: goodput, bytes_per_step, staleness
 rate_mbit, latency_ms, seconds. Needs root and iproute2 (`ip`, `tc`); says so in one line when either is missing.
 Everything it starts is killed and reaped, and every namespace and veth it created (only those) is deleted, in a
 `finally` block, also on Ctrl-C and SIGTERM.
+
+This module runs the learners and reports on them; netns.py builds and removes the network they run on.
 """
 
 from __future__ import annotations
@@ -33,19 +35,21 @@ import json
 import os
 import queue
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+from netns import Network, SetupError, hub_address, missing_requirements, region_address, sh
+
 HERE = Path(__file__).resolve().parent
-SUBNET = "10.213"  # region i: 10.213.i.2 (region side) — 10.213.i.1 (hub side); only inside our namespaces
 PORT = 7000  # every learner listens on its region address, every relay route on its hub address, this port
 JOIN_WAIT_S = 150.0
 RELAY_WAIT_S = 20.0
@@ -54,25 +58,7 @@ POLL_EVERY_S = 2.0
 REPORT_EVERY_S = 10.0
 
 
-class SetupError(Exception):
-    """A one-line error for the user: what happened and what to do."""
-
-
-# -- requirements and arguments -------------------------------------------------------------------------------
-
-
-def missing_requirements(which=shutil.which, euid=os.geteuid) -> str | None:
-    """One line naming what is missing (root, `ip`, `tc`), or None when everything is there."""
-    missing = []
-    if euid() != 0:
-        missing.append("root (run it with sudo)")
-    for tool in ("ip", "tc"):
-        if which(tool) is None:
-            missing.append(f"`{tool}` on PATH (install iproute2)")
-    if not missing:
-        return None
-    return ("multi_region: this example needs root and iproute2 (ip, tc) to build network namespaces; missing: "
-            + ", ".join(missing))
+# -- arguments ------------------------------------------------------------------------------------------------
 
 
 def parse_latency(text: str, regions: int) -> list[list[float]]:
@@ -105,6 +91,7 @@ def parse_latency(text: str, regions: int) -> list[list[float]]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked; a SetupError names the first bad flag. Adds `latency` (the N×N matrix)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=90.0, help="training time once every learner has joined")
@@ -159,14 +146,12 @@ class LearnerView:
 
 
 class Emulation:
+    """One run: the learners (and the relay and poller) on a Network, their events, and the summary."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.n = args.regions
-        self.ip, self.tc = shutil.which("ip"), shutil.which("tc")
-        self.hub = f"{args.prefix}-hub"
-        self.regions = [f"{args.prefix}-r{i}" for i in range(self.n)]
-        self.created_ns: list[str] = []  # only these are ever deleted
-        self.created_links: list[str] = []  # hub-side veth names (deleting one end deletes the pair)
+        self.net = Network(args.prefix, args.regions, args.rate_mbit)
         self.children: list[Child] = []
         self.events: queue.Queue[tuple[Child, str | None]] = queue.Queue()
         self.learners = [LearnerView(i) for i in range(self.n)]
@@ -183,51 +168,6 @@ class Emulation:
         self.out.write(text + "\n")
         self.out.flush()
 
-    # network ----------------------------------------------------------------------------------------------
-
-    def sh(self, *cmd: str) -> str:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-        if r.returncode != 0:
-            msg = (r.stderr or r.stdout).strip().splitlines()
-            raise SetupError(f"`{' '.join(cmd)}` failed: {msg[-1] if msg else f'exit {r.returncode}'}")
-        return r.stdout
-
-    def add_ns(self, name: str) -> None:
-        self.sh(self.ip, "netns", "add", name)
-        self.created_ns.append(name)
-        self.sh(self.ip, "-n", name, "link", "set", "lo", "up")
-
-    def build(self) -> None:
-        a = self.args
-        rate = f"{a.rate_mbit:g}mbit"
-        burst = max(32 * 1024, int(a.rate_mbit * 1e6 / 8 * 0.004))  # ≥ 4 ms of traffic, ≥ 32 KiB
-        self.add_ns(self.hub)
-        forwarding = self.sh(self.ip, "netns", "exec", self.hub, "cat", "/proc/sys/net/ipv4/ip_forward").strip()
-        if forwarding != "0":  # a fresh namespace starts with forwarding off; all cross-region bytes use the relay
-            raise SetupError(f"namespace {self.hub} forwards packets (ip_forward={forwarding}); expected 0")
-        for i, ns in enumerate(self.regions):
-            self.add_ns(ns)
-            hub_if = f"r{i}"
-            self.sh(self.ip, "-n", self.hub, "link", "add", hub_if, "type", "veth", "peer", "name", "wan0",
-                    "netns", ns)
-            self.created_links.append(hub_if)
-            self.sh(self.ip, "-n", self.hub, "addr", "add", f"{SUBNET}.{i}.1/24", "dev", hub_if)
-            self.sh(self.ip, "-n", self.hub, "link", "set", hub_if, "up")
-            self.sh(self.ip, "-n", ns, "addr", "add", f"{SUBNET}.{i}.2/24", "dev", "wan0")
-            self.sh(self.ip, "-n", ns, "link", "set", "wan0", "up")
-            self.sh(self.ip, "-n", ns, "route", "add", f"{SUBNET}.0.0/16", "via", f"{SUBNET}.{i}.1")
-            for netns, dev in ((ns, "wan0"), (self.hub, hub_if)):  # both directions of the region's link
-                self.sh(self.tc, "-n", netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
-                        "burst", str(burst), "latency", "100ms")
-
-    def teardown_network(self) -> None:
-        for hub_if in reversed(self.created_links):
-            subprocess.run([self.ip, "-n", self.hub, "link", "del", hub_if], capture_output=True, timeout=30)
-        self.created_links.clear()
-        for ns in reversed(self.created_ns):
-            subprocess.run([self.ip, "netns", "delete", ns], capture_output=True, timeout=30)
-        self.created_ns.clear()
-
     # children ---------------------------------------------------------------------------------------------
 
     def spawn(self, name: str, ns: str, cmd: list[str], log: Path | None = None) -> Child:
@@ -236,7 +176,7 @@ class Emulation:
         err = open(log, "ab") if log else subprocess.DEVNULL
         try:
             # own session: Ctrl-C reaches only this script, which stops the children itself
-            proc = subprocess.Popen([self.ip, "netns", "exec", ns, *cmd], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(self.net.exec_in(ns, cmd), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1, env=env,
                                     start_new_session=True, cwd=self.workdir)
         finally:
@@ -324,7 +264,7 @@ class Emulation:
             view.done = ev
             view.step = ev.get("steps", view.step)
 
-    def wait_for(self, what: str, cond, timeout: float, watch: list[Child]) -> None:
+    def wait_for(self, what: str, cond: Callable[[], bool], timeout: float, watch: list[Child]) -> None:
         deadline = time.monotonic() + timeout
         while not cond():
             self.pump(0.25)
@@ -340,42 +280,43 @@ class Emulation:
 
     def learner_cmd(self, i: int, spec: Path) -> list[str]:
         cmd = [sys.executable, "-m", "diloco.node.cli", "join", "--run", str(spec),
-               "--listen", f"{SUBNET}.{i}.2:{PORT}", "--announce", f"http://{SUBNET}.{i}.1:{PORT}",
+               "--listen", f"{region_address(i)}:{PORT}", "--announce", f"http://{hub_address(i)}:{PORT}",
                "--region", f"r{i}", "--key", str(self.workdir / f"learner-{i}.pem"), "--json",
                "--fast-membership", "--progress-every", "10"]
         if i > 0:
-            cmd += ["--peers", f"http://{SUBNET}.0.1:{PORT}"]  # the first learner, through the relay
+            cmd += ["--peers", f"http://{hub_address(0)}:{PORT}"]  # the first learner, through the relay
         return cmd
 
     def run(self) -> None:
         a = self.args
-        self.say(f"workdir {self.workdir}; namespaces {self.hub}, {', '.join(self.regions)}")
-        self.build()
+        net = self.net
+        self.say(f"workdir {self.workdir}; namespaces {net.hub}, {', '.join(net.regions)}")
+        net.build()
         self.say(f"network: {self.n} regions, each linked to the hub at {a.rate_mbit:g} Mbit/s per direction "
                  f"(tc tbf); one-way latency ms {a.latency}")
         spec = self.workdir / "run.spec"
-        self.sh(sys.executable, "-m", "diloco.node.cli", "init-run", "--name", f"multi-region-{os.getpid()}",
-                "--key", str(self.workdir / "creator.pem"), "--inner-steps", str(a.inner_steps),
-                "--fragments", str(a.fragments), "--out", str(spec))
-        config = {"routes": [{"listen": [f"{SUBNET}.{i}.1", PORT], "target": [f"{SUBNET}.{i}.2", PORT],
+        sh(sys.executable, "-m", "diloco.node.cli", "init-run", "--name", f"multi-region-{os.getpid()}",
+           "--key", str(self.workdir / "creator.pem"), "--inner-steps", str(a.inner_steps),
+           "--fragments", str(a.fragments), "--out", str(spec))
+        config = {"routes": [{"listen": [hub_address(i), PORT], "target": [region_address(i), PORT],
                               "region": i} for i in range(self.n)],
-                  "sources": {f"{SUBNET}.{i}.2": i for i in range(self.n)}, "latency_ms": a.latency}
+                  "sources": {region_address(i): i for i in range(self.n)}, "latency_ms": a.latency}
         (self.workdir / "relay.json").write_text(json.dumps(config))
-        relay = self.spawn("relay", self.hub, [sys.executable, str(HERE / "relay.py"), "--config",
+        relay = self.spawn("relay", net.hub, [sys.executable, str(HERE / "relay.py"), "--config",
                                                str(self.workdir / "relay.json")], self.workdir / "relay.log")
         self.wait_for("relay 'ready' line", lambda: "ready" in relay.lines, RELAY_WAIT_S, [relay])
         first = self.learners[0]
-        first.child = self.spawn("learner-0", self.regions[0], self.learner_cmd(0, spec),
+        first.child = self.spawn("learner-0", net.regions[0], self.learner_cmd(0, spec),
                                  self.workdir / "learner-0.log")
         self.wait_for("'joined' event from learner 0", lambda: first.joined_at is not None, JOIN_WAIT_S,
                       [relay, first.child])
         for v in self.learners[1:]:
-            v.child = self.spawn(f"learner-{v.index}", self.regions[v.index], self.learner_cmd(v.index, spec),
+            v.child = self.spawn(f"learner-{v.index}", net.regions[v.index], self.learner_cmd(v.index, spec),
                                  self.workdir / f"learner-{v.index}.log")
         self.wait_for("'joined' events from every learner", lambda: all(v.joined_at for v in self.learners),
                       JOIN_WAIT_S, [relay] + [v.child for v in self.learners])
-        self.spawn("poll", self.hub, [sys.executable, str(HERE / "poll.py"), "--interval", str(POLL_EVERY_S),
-                                      *(f"http://{SUBNET}.{i}.2:{PORT}" for i in range(self.n))],
+        self.spawn("poll", net.hub, [sys.executable, str(HERE / "poll.py"), "--interval", str(POLL_EVERY_S),
+                                     *(f"http://{region_address(i)}:{PORT}" for i in range(self.n))],
                    self.workdir / "poll.log")
         self.train_start = time.monotonic()
         self.say(f"all {self.n} learners joined; training for {a.seconds:g}s")
@@ -469,7 +410,7 @@ class Emulation:
         }
 
     def report(self, s: dict[str, Any]) -> list[str]:
-        def f(x, fmt=".3f"):
+        def f(x: float | int | None, fmt: str = ".3f") -> str:
             return "n/a" if x is None else format(x, fmt)
 
         trained = (self.train_end or time.monotonic()) - (self.train_start or time.monotonic())
@@ -497,7 +438,7 @@ class Emulation:
         return lines
 
 
-def _raise_interrupt(signum, frame):
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
@@ -537,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
         try:
             emu.kill_all()
-            emu.teardown_network()
+            emu.net.teardown()
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # drop signals that came meanwhile
                 signal.signal(sig, signal.SIG_IGN)
