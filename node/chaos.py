@@ -184,7 +184,7 @@ class Fleet:
                 inc.start_tokens = inc.last_tokens = int(ev.get("merged_tokens", 0))
                 if slot.inc is inc:
                     slot.url, slot.peer_id = ev.get("url") or "standalone", ev.get("peer_id", "")
-            if kind in ("progress", "done"):
+            if kind in ("progress", "merged", "done"):
                 inc.steps = int(ev.get("step", ev.get("steps", inc.steps)))
                 inc.last_merged = int(ev.get("merged_steps", inc.last_merged))
                 inc.last_tokens = int(ev.get("merged_tokens", inc.last_tokens))

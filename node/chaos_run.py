@@ -34,14 +34,14 @@ RESULT_KEYS = ("goodput", "final_eval_loss", "merged_tokens", "failures", "versi
 class ChaosOptions:
     peers: int = 4
     minutes: float = 5.0
-    mtbf_s: float = 150.0  # per learner, counted while it is up
+    mtbf_s: float = 130.0  # per learner, counted while it is up
     downtime_s: float = 3.0
     mode: str = "both"
     seed: int = 0
     out: Path | None = None
     json: bool = False
     pace_s: float = 0.12  # the emulated chip: 4 learners × ~35 ms of compute per step fit 2 cores with room
-    inner_steps: int = 50  # H
+    inner_steps: int = 30  # H
     fragments: int = 4  # P
     checkpoint_every: int = 100  # inner steps (12 s at the default pace)
     eval_every: int = 100

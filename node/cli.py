@@ -414,7 +414,7 @@ def simulate_cmd(chips: str, learners: str, mtbi_years: float | None, overrides:
 @click.option("--peers", default=4, show_default=True, type=click.IntRange(min=2), help="M: learner processes.")
 @click.option("--minutes", default=5.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Length of each mode's run (and of the no-failure run).")
-@click.option("--mtbf", "mtbf_s", default=150.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--mtbf", "mtbf_s", default=130.0, show_default=True, type=click.FloatRange(min=0),
               help="Mean seconds between failures of each learner, counted while it is up (0: no faults).")
 @click.option("--downtime", "downtime_s", default=3.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds a killed learner stays down before it is restarted.")
@@ -424,7 +424,7 @@ def simulate_cmd(chips: str, learners: str, mtbi_years: float | None, overrides:
               help="Where the event log, per-learner metrics, summary and plots go (default: a fresh temp dir).")
 @click.option("--pace", "pace_s", default=0.12, show_default=True, type=click.FloatRange(min=0),
               help="Seconds per inner step of every learner (an emulated fixed-speed chip).")
-@click.option("--inner-steps", default=50, show_default=True, type=click.IntRange(min=1), help="H of both runs.")
+@click.option("--inner-steps", default=30, show_default=True, type=click.IntRange(min=1), help="H of both runs.")
 @click.option("--checkpoint-every", default=100, show_default=True, type=click.IntRange(min=1),
               help="Inner steps between the learners' checkpoints (what the sync baseline rolls back to).")
 @click.option("--owner-every", default=3, show_default=True, type=click.IntRange(min=0),

@@ -87,7 +87,7 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
          merged_tokens=store.merged_tokens, tokens=learner.tokens)
     shard = int.from_bytes(hashlib.sha256(identity.public_key).digest()[:4], "big")
     batches = task.batches(learner=shard, seed=spec.seed + learner.t)
-    start, losses = time.monotonic(), []
+    start, losses, reported = time.monotonic(), [], store.merged_steps
     try:
         while not opts.steps or learner.t < opts.steps:
             step_start = time.monotonic()
@@ -95,6 +95,12 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
             learner.step(tokens=task.tokens_per_batch, loss=loss)
             losses.append(loss)
             _pace(opts, step_start)
+            if opts.json and store.merged_steps != reported and learner.t % opts.progress_every:
+                # a version merged our delta: say so now (a learner killed before its next progress line
+                # would otherwise take these merges with it)
+                emit(opts, "merged", step=learner.t, merged_steps=store.merged_steps,
+                     merged_tokens=store.merged_tokens, accepted=store.take_accepted())
+            reported = store.merged_steps
             if learner.t % opts.progress_every == 0:
                 st = learner.swarm
                 emit(opts, "progress", step=learner.t, loss=_mean(losses[-opts.progress_every:]),
