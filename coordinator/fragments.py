@@ -38,8 +38,9 @@ class Encoded:
     meta: dict
     payload: bytes | memoryview
 
-    def decode(self, numel: int) -> Tensor:
-        return self.codec.decode(self.meta, self.payload, max_elements=numel).reshape(-1)
+    def decode(self, numel: int, out: Tensor | None = None) -> Tensor:
+        """The flat fp32 tensor; into `out` (a contiguous fp32 buffer of `numel` elements) if given."""
+        return self.codec.decode(self.meta, self.payload, max_elements=numel, out=out).reshape(-1)
 
 
 Move = Tensor | Encoded

@@ -24,7 +24,6 @@ from .merge import Contribution, InvalidContribution, merge
 from .outer import OuterOptimizer
 from .version import Version
 
-
 RESIDUAL_CODEC = get_codec("int8")
 
 

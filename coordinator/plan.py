@@ -176,6 +176,20 @@ class FragmentPlan:
         with torch.no_grad():
             return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in self._tensors(p, params)])
 
+    def add_into(self, p: int, flat: Tensor, params: Mapping[str, Tensor]) -> None:
+        """params[fragment p] += flat, tensor by tensor, in place: no flat copy of the fragment is made."""
+        fragment = self.fragments[p]
+        if flat.dim() != 1 or flat.numel() != fragment.numel:
+            raise ValueError(
+                f"fragment {p} holds {fragment.numel} elements, got a tensor of shape {tuple(flat.shape)}"
+            )
+        with torch.no_grad():
+            offset = 0
+            for t in self._tensors(p, params):
+                n = t.numel()
+                t.add_(flat[offset : offset + n].view(t.shape))
+                offset += n
+
     def unflatten_into(self, p: int, flat: Tensor, params: Mapping[str, Tensor]) -> None:
         """Copy a 1-D fragment back into the tensors of `params`, in place (dtype cast, no reallocation)."""
         fragment = self.fragments[p]

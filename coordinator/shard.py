@@ -413,6 +413,13 @@ class Shard:
         finally:
             self._probing.discard(peer)
 
+    async def close(self) -> None:
+        """Cancel the background work (steps, probes, pulls, hand-overs) before the client goes away."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)

@@ -149,6 +149,13 @@ class FragmentSync:
 
     # -- fetching -------------------------------------------------------------------------------------------
 
+    async def close(self) -> None:
+        """Cancel the catch-ups still running."""
+        tasks = [t for t in self._catching_up.values() if not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def catch_up(self, p: int, sources: list[str]) -> asyncio.Task:
         """Fetch the versions of fragment p we miss, in the background (one task per fragment at a time)."""
         task = self._catching_up.get(p)

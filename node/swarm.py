@@ -175,6 +175,9 @@ class Swarm:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            for part in (self.shard, self.sync):
+                if part is not None:
+                    await part.close()
             if self.dht is not None:
                 await self.dht.stop()
             if self.server is not None:

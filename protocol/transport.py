@@ -288,6 +288,11 @@ class PeerClient:
         except OSError as e:
             self.counters.record("sent", path_label, received, nbytes, False)
             raise PeerUnreachable(f"{url}{path}: {e.strerror or e}") from None
+        except RuntimeError as e:  # aiohttp: the connection (or our session, while closing) went away mid-read
+            if "closed" not in str(e).lower():
+                raise
+            self.counters.record("sent", path_label, received, nbytes, False)
+            raise PeerUnreachable(f"{url}{path}: {e}") from None
         except TransportError:
             self.counters.record("sent", path_label, received, nbytes, False)
             raise

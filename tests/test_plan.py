@@ -185,3 +185,17 @@ def test_p_must_be_between_one_and_the_number_of_tensors(P):
 def test_duplicate_names_are_refused():
     with pytest.raises(ValueError, match="twice"):
         FragmentPlan.from_shapes([("a", (3,), False), ("a", (4,), False)], 1)
+
+
+def test_add_into_adds_a_flat_fragment_tensor_by_tensor_in_place():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    plan = FragmentPlan.from_module(model, 2)
+    params = dict(model.named_parameters())
+    for p in range(len(plan.fragments)):
+        before = plan.flatten(p, params)
+        ids = [id(t) for t in params.values()]
+        plan.add_into(p, torch.arange(before.numel(), dtype=torch.float32), params)
+        assert torch.equal(plan.flatten(p, params), before + torch.arange(before.numel(), dtype=torch.float32))
+        assert ids == [id(t) for t in params.values()]
+    with pytest.raises(ValueError, match="holds"):
+        plan.add_into(0, torch.zeros(3), params)
