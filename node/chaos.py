@@ -38,6 +38,7 @@ from pathlib import Path
 
 from .checkpoint import CheckpointCorrupt, load_checkpoint
 from .goodput import Incarnation
+from .throttle import ThrottleRelay
 
 JOIN_WAIT_S = 120.0  # a learner that has not joined by then is a harness error
 STOP_WAIT_S = 30.0  # after SIGINT: evaluate, print "done", exit
@@ -84,10 +85,11 @@ class Slot:
     peer_id: str = ""
     restart_at: float | None = None
     port: int = 0  # fixed, so a restarted learner has the same address
+    relay: ThrottleRelay | None = None  # a throttled link: other peers reach this learner through it
 
     @property
     def fixed_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://127.0.0.1:{self.relay.port if self.relay else self.port}"
 
 
 @dataclass
@@ -110,7 +112,8 @@ class Fleet:
     """M learner processes of one run spec, started, killed and restarted by the harness."""
 
     def __init__(self, mode: str, spec: Path, workdir: Path, peers: int, pace_s: float, checkpoint_every: int,
-                 eval_every: int, slowdown: dict[int, float] | None = None, standalone: bool = False) -> None:
+                 eval_every: int, slowdown: dict[int, float] | None = None, standalone: bool = False,
+                 throttle_mbit: dict[int, float] | None = None) -> None:
         self.mode, self.spec, self.workdir = mode, spec, workdir
         self.pace_s, self.checkpoint_every, self.eval_every = pace_s, checkpoint_every, eval_every
         self.slowdown, self.standalone = slowdown or {}, standalone
@@ -123,6 +126,10 @@ class Fleet:
             if not key.exists():
                 Identity.generate().save(key)
             self.slots.append(Slot(i, key, workdir / f"ckpt-{i}", port=_free_port()))
+        for i, mbit in (throttle_mbit or {}).items():
+            if not standalone:
+                s = self.slots[i]
+                s.relay = ThrottleRelay(_free_port(), s.port, mbit * 1e6 / 8).start()
         self.run = FleetRun(mode)
         self.lock = threading.Lock()
         self.log = open(workdir / "events.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
@@ -152,6 +159,8 @@ class Fleet:
             cmd += ["--checkpoint-dir", str(slot.ckpt_dir), "--checkpoint-every", str(self.checkpoint_every)]
         for url in peers:
             cmd += ["--peers", url]
+        if slot.relay is not None:
+            cmd += ["--announce", slot.fixed_url]
         if slot.index in self.slowdown:
             cmd += ["--slowdown", str(self.slowdown[slot.index])]
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -275,6 +284,10 @@ class Fleet:
         finally:
             for s in self.slots:
                 self.kill(s, "cleanup")
+                if s.relay is not None:
+                    s.relay.stop()
+                    self.event("throttled_link", slot=s.index, mbit=s.relay.rate * 8 / 1e6,
+                               forwarded_bytes=s.relay.forwarded)
             self.log.close()
         for s in self.slots:
             self._check_checkpoints(s)

@@ -48,6 +48,7 @@ class ChaosOptions:
     calibrate_s: float = 20.0
     owner_every: int = 3  # every third fault is aimed at a fragment's current owner
     stragglers: dict[int, float] = field(default_factory=dict)  # slot -> step-time factor
+    throttle: dict[int, float] = field(default_factory=dict)  # slot -> Mbit/s of the link into it
     no_failure: bool = True
 
 
@@ -180,7 +181,7 @@ def run_chaos(opts: ChaosOptions, say: Callable[[str], None] = print) -> dict[st
 
     def fleet(mode: str, spec: str, workdir: str, **kw: Any) -> Fleet:
         return Fleet(mode, specs[spec], out / workdir, opts.peers, opts.pace_s, opts.checkpoint_every,
-                     opts.eval_every, slowdown=opts.stragglers, **kw)
+                     opts.eval_every, slowdown=opts.stragglers, throttle_mbit=opts.throttle, **kw)
 
     say(f"measuring the nominal rate: {opts.peers} standalone learners side by side for {opts.calibrate_s:g} s")
     calib = fleet("standalone", "decoupled", "standalone", standalone=True).run_for(opts.calibrate_s, [], 0.0)
@@ -233,4 +234,5 @@ def _jsonable(opts: ChaosOptions) -> dict:
     d = asdict(opts)
     d["out"] = str(d["out"]) if d["out"] else None
     d["stragglers"] = {str(k): v for k, v in opts.stragglers.items()}
+    d["throttle"] = {str(k): v for k, v in opts.throttle.items()}
     return d

@@ -431,11 +431,13 @@ def simulate_cmd(chips: str, learners: str, mtbi_years: float | None, overrides:
               help="Every N-th fault is aimed at whoever owns a fragment at that moment (0: none).")
 @click.option("--straggler", multiple=True, metavar="SLOT:FACTOR",
               help="Make learner SLOT's steps FACTOR times slower (repeatable).")
+@click.option("--throttle", multiple=True, metavar="SLOT:MBIT",
+              help="Limit the link into learner SLOT to MBIT Mbit/s each way (repeatable).")
 @click.option("--no-baseline", is_flag=True, help="Skip the no-failure run (no no_failure_eval_loss).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object as the last line.")
 def chaos(peers: int, minutes: float, mtbf_s: float, downtime_s: float, mode: str, seed: int, out: Path | None,
           pace_s: float, inner_steps: int, checkpoint_every: int, owner_every: int, straggler: tuple[str, ...],
-          no_baseline: bool, as_json: bool) -> None:
+          throttle: tuple[str, ...], no_baseline: bool, as_json: bool) -> None:
     """Kill and restart learners on a seeded schedule; compare decoupled with the synchronous baseline.
 
     Runs the same fleet on the same fault schedule in each mode, then once without faults, and reports goodput
@@ -448,18 +450,11 @@ def chaos(peers: int, minutes: float, mtbf_s: float, downtime_s: float, mode: st
     from .chaos import ChaosError
     from .chaos_run import RESULT_KEYS, ChaosOptions, run_chaos
 
-    slow: dict[int, float] = {}
-    for item in straggler:
-        try:
-            slot, factor = item.split(":")
-            slow[int(slot)] = float(factor)
-        except ValueError:
-            raise UserError(f"--straggler {item!r}: expected SLOT:FACTOR, e.g. 2:1.5") from None
-        if not 0 <= int(slot) < peers or float(factor) < 1:
-            raise UserError(f"--straggler {item!r}: SLOT must be 0..{peers - 1} and FACTOR >= 1")
+    slow = _slot_values("--straggler", "SLOT:FACTOR", straggler, peers, minimum=1.0)
+    links = _slot_values("--throttle", "SLOT:MBIT", throttle, peers, minimum=0.01)
     opts = ChaosOptions(peers=peers, minutes=minutes, mtbf_s=mtbf_s, downtime_s=downtime_s, mode=mode, seed=seed,
                         out=out, json=as_json, pace_s=pace_s, inner_steps=inner_steps,
-                        checkpoint_every=checkpoint_every, owner_every=owner_every, stragglers=slow,
+                        checkpoint_every=checkpoint_every, owner_every=owner_every, stragglers=slow, throttle=links,
                         no_failure=not no_baseline)
     try:
         result = run_chaos(opts, say=lambda line: click.echo(line, err=as_json))
@@ -479,6 +474,20 @@ def chaos(peers: int, minutes: float, mtbf_s: float, downtime_s: float, mode: st
         if "no_failure_eval_loss" in result:
             keep["no_failure_eval_loss"] = result["no_failure_eval_loss"]
         click.echo(_json.dumps(keep))
+
+
+def _slot_values(flag: str, form: str, items: tuple[str, ...], peers: int, minimum: float) -> dict[int, float]:
+    """Parse repeated SLOT:VALUE options."""
+    out: dict[int, float] = {}
+    for item in items:
+        try:
+            slot, value = item.split(":")
+            out[int(slot)] = float(value)
+        except ValueError:
+            raise UserError(f"{flag} {item!r}: expected {form}, e.g. 2:1.5") from None
+        if not 0 <= int(slot) < peers or float(value) < minimum:
+            raise UserError(f"{flag} {item!r}: SLOT must be 0..{peers - 1} and the value >= {minimum:g}")
+    return out
 
 
 def _fmt(v: object) -> str:

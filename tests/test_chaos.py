@@ -25,8 +25,9 @@ def _assert_invariants(mode: dict) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_short_decoupled_chaos_run_restarts_killed_learners_and_keeps_every_invariant(tmp_path):
-    opts = ChaosOptions(peers=3, minutes=0.4, mtbf_s=15.0, downtime_s=1.0, seed=1, out=tmp_path, calibrate_s=5.0,
-                        checkpoint_every=40, eval_every=40, no_failure=False, mode="decoupled", owner_every=2)
+    opts = ChaosOptions(peers=3, minutes=0.4, mtbf_s=15.0, downtime_s=1.0, seed=1, out=tmp_path, calibrate_s=8.0,
+                        checkpoint_every=40, eval_every=40, no_failure=False, mode="decoupled", owner_every=2,
+                        stragglers={1: 1.5}, throttle={2: 20.0})
     result = run_chaos(opts, say=lambda _: None)
     _no_learner_left(tmp_path)
     mode = result["decoupled"]
@@ -36,6 +37,8 @@ def test_a_short_decoupled_chaos_run_restarts_killed_learners_and_keeps_every_in
     events = [json.loads(line) for line in (tmp_path / "decoupled" / "events.jsonl").read_text().splitlines()]
     assert any(e["event"] == "fault" and e["owner_of"] is not None for e in events), "no owner was killed"
     assert sum(e["event"] == "launch" for e in events) > opts.peers, "killed learners were restarted"
+    link = next(e for e in events if e["event"] == "throttled_link")
+    assert link["slot"] == 2 and link["forwarded_bytes"] > 0, "nobody reached learner 2 through its throttled link"
 
 
 @pytest.mark.slow
@@ -82,3 +85,38 @@ def test_chaos_refuses_a_malformed_straggler_with_one_line():
     assert r.exit_code != 0 and "SLOT:FACTOR" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, ["chaos", "--peers", "3", "--straggler", "7:2"])
     assert r.exit_code != 0 and "SLOT must be 0..2" in r.output
+
+
+def test_the_throttle_relay_forwards_both_ways_at_its_rate():
+    import socket
+    import threading
+    import time
+
+    from diloco.node.chaos import _free_port
+    from diloco.node.throttle import ThrottleRelay
+
+    server = socket.create_server(("127.0.0.1", 0))
+    target = server.getsockname()[1]
+
+    def echo():
+        conn, _ = server.accept()
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    threading.Thread(target=echo, daemon=True).start()
+    relay = ThrottleRelay(_free_port(), target, rate_bytes_s=1_000_000).start()
+    try:
+        payload = bytes(range(256)) * 2048  # 512 KiB each way, at 1 MB/s after a 64 KiB burst
+        with socket.create_connection(("127.0.0.1", relay.port)) as c:
+            t0 = time.monotonic()
+            threading.Thread(target=c.sendall, args=(payload,), daemon=True).start()
+            got = bytearray()
+            while len(got) < len(payload):
+                got += c.recv(65536)
+            elapsed = time.monotonic() - t0
+        assert bytes(got) == payload
+        assert 0.4 < elapsed < 2.0, f"512 KiB through a 1 MB/s link took {elapsed:.2f} s"
+    finally:
+        relay.stop()
+        server.close()
