@@ -73,8 +73,10 @@ class Changes:
 class FragmentStore:
     """Anchors by fragment index, with the moves the learner has not applied to θ yet (`take_changes`)."""
 
-    def __init__(self, anchors: list[Tensor], self_id: str = "") -> None:
-        self.held = [Held(a.detach().to(torch.float32).contiguous().clone()) for a in anchors]
+    def __init__(self, anchors: list[Tensor], self_id: str = "", *, adopt: bool = False) -> None:
+        """`adopt`: the caller hands over its fp32 tensors (no copy); otherwise each anchor is cloned."""
+        self.held = [Held(a if adopt and _plain_fp32(a) else a.detach().to(torch.float32).contiguous().clone())
+                     for a in anchors]
         self.self_id = self_id
         self.lock = threading.Lock()
         self.pending: dict[int, list[Move]] = {}  # p -> what θ[p] must move by at the next step boundary
@@ -260,6 +262,10 @@ class FragmentStore:
             self.pending, self.replaced = {}, set()
             return out
 
+
+
+def _plain_fp32(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad and t.device.type == "cpu"
 
 
 def anchor_digest(anchor: Tensor) -> bytes:

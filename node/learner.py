@@ -114,7 +114,8 @@ class Learner:
         labels: list[Version] = [GENESIS] * self.spec.fragments
         certs: list[bytes] = [b""] * self.spec.fragments
         ckpt = load_latest(self.checkpoint_dir) if self.checkpoint_dir else None
-        if ckpt is not None and ckpt.meta.get("run_id") == self.spec.run_id.hex():
+        fresh = ckpt is None or ckpt.meta.get("run_id") != self.spec.run_id.hex()
+        if not fresh:
             restore(ckpt, self.model, self.optimizer)
             self.t = ckpt.step
             anchors = [ckpt.anchors[p] for p in range(self.spec.fragments)]
@@ -125,17 +126,34 @@ class Learner:
             log.info("resumed from checkpoint at step %d", self.t)
         else:
             anchors = [self.plan.flatten(p, self.params) for p in range(self.spec.fragments)]
-            if self.spec.genesis_digest and genesis_digest(self.plan, self.model) != self.spec.genesis_digest:
-                raise RunMismatch("this model's initial parameters differ from the run's; build it with the "
-                                  f"run's seed ({self.spec.seed}) and task ({self.spec.task})")
-        self.swarm = Swarm(self.identity, self.spec, self.plan, anchors, self.config, labels, certs)
+            if self.spec.genesis_digest and not self.config.peers:  # opening a swarm: from our Θ^(0)
+                self._check_genesis(anchors)
+        self.swarm = Swarm(self.identity, self.spec, self.plan, anchors, self.config, labels, certs,
+                           adopt_anchors=True)
         self.swarm.store.merged_steps = int(self._restored.get("merged_steps", 0))
         self.swarm.store.merged_tokens = int(self._restored.get("merged_tokens", 0))
+        if fresh and self.spec.genesis_digest and self.config.peers:
+            self.swarm.after_sync = self._check_genesis_if_used
         self.swarm.start()
         if self.spec.synchronous:
             self._rendezvous()
         self._apply_new_versions()
         return self
+
+    def _check_genesis_if_used(self) -> None:
+        """Joining: only fragments nobody has a version of yet keep our initial values, so only then must
+        they be the run's (a model whose every fragment is downloaded may start from anything). The model
+        still holds them here: versions reach it after `start`."""
+        if GENESIS in self.swarm.store.labels():
+            self._check_genesis([self.plan.flatten(p, self.params) for p in range(self.spec.fragments)])
+
+    def _check_genesis(self, anchors: list[torch.Tensor]) -> None:
+        h = hashlib.sha256()
+        for a in anchors:
+            h.update(anchor_digest(a))
+        if h.digest() != self.spec.genesis_digest:
+            raise RunMismatch("this model's initial parameters differ from the run's; build it with the "
+                              f"run's seed ({self.spec.seed}) and task ({self.spec.task})")
 
     def _rendezvous(self) -> None:
         """Synchronous runs start like data parallel: once every learner of the quorum is in the swarm (a delta

@@ -96,12 +96,16 @@ class Progress:
 
 class Swarm:
     def __init__(self, identity: Identity, spec: RunSpec, plan: FragmentPlan, anchors: list[torch.Tensor],
-                 config: SwarmConfig, labels: list[Version] | None = None, certs: list[bytes] | None = None) -> None:
+                 config: SwarmConfig, labels: list[Version] | None = None, certs: list[bytes] | None = None,
+                 *, adopt_anchors: bool = False) -> None:
+        """`adopt_anchors`: the anchors are fresh tensors the swarm may keep (no copy of the model is made)."""
         self.identity, self.spec, self.plan, self.config = identity, spec, plan, config
-        self.store = FragmentStore(anchors, identity.peer_id)
+        self.store = FragmentStore(anchors, identity.peer_id, adopt=adopt_anchors)
         for p, (label, cert) in enumerate(zip(labels or [], certs or [], strict=False)):
             self.store.held[p].label, self.store.held[p].cert = label, cert
         self.progress = Progress()
+        self.after_sync: Callable[[], None] | None = None  # run once synced, before other peers count on us;
+        # raising a JoinError there ends the join with that error
         self.codec = get_codec(spec.codec)
         self.client_mode = bool(config.client_mode)
         self.url = ""
@@ -164,6 +168,8 @@ class Swarm:
         try:
             await self._open_server()
             await self._join()
+            if self.after_sync is not None:
+                self.after_sync()
             self.progress.synced = True
             self._spawn(self.members.publish())  # now a candidate owner: say so at once, without waiting
             self.members.changed()

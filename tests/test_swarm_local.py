@@ -1,6 +1,7 @@
 """Learners in one process (one swarm thread each): the fragment protocol end to end, fast."""
 
 import pytest
+import torch
 
 from diloco.coordinator.fragments import anchor_digest
 
@@ -43,3 +44,36 @@ def test_learners_and_owners_hold_bit_identical_fragments(fleet):
         assert len(digests) == 1, f"fragment {p} differs between learners"
     owners = sum(len(ll.learner.swarm.shard.owners) for ll in learners)
     assert owners == P, "every fragment has exactly one owner"
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_built_from_another_seed_is_refused_while_its_values_would_be_used(fleet):
+    from diloco.node.learner import Learner, RunMismatch
+
+    from .swarm_utils import fast_config
+
+    genesis = tiny_run()
+
+    def wrong_learner(peers):
+        other = LocalLearner(genesis, 1)
+        with torch.no_grad():  # another init: the same plan, other values
+            for p in other.model.parameters():
+                p.add_(0.01)
+        return Learner(other.model, other.opt, genesis, config=fast_config(peers))
+
+    with pytest.raises(RunMismatch, match="seed"):
+        wrong_learner([]).start()  # opening a swarm from these values: refused before anything starts
+    first = fleet(genesis, 1)[0]
+    late = wrong_learner([first.url])
+    with pytest.raises(RunMismatch, match="seed"):
+        late.start()  # the run has no version yet: its fragments would start from these values
+    first.train(12)  # one delta of every fragment: each gets a version
+    wait_until(lambda: all(v.version > 0 for v in first.learner.labels), 30, "a version of every fragment")
+    joined = wrong_learner([first.url])
+    joined.start()  # everything is downloaded over its initial values: nothing of them is used
+    try:
+        assert joined.labels == first.learner.labels
+        for p in range(genesis.spec.fragments):
+            assert torch.equal(joined.plan.flatten(p, joined.params), first.learner.swarm.store.held[p].anchor)
+    finally:
+        joined.close()
