@@ -178,20 +178,14 @@ class FragmentPlan:
 
     def add_into(self, p: int, flat: Tensor, params: Mapping[str, Tensor]) -> None:
         """params[fragment p] += flat, tensor by tensor, in place: no flat copy of the fragment is made."""
-        fragment = self.fragments[p]
-        if flat.dim() != 1 or flat.numel() != fragment.numel:
-            raise ValueError(
-                f"fragment {p} holds {fragment.numel} elements, got a tensor of shape {tuple(flat.shape)}"
-            )
-        with torch.no_grad():
-            offset = 0
-            for t in self._tensors(p, params):
-                n = t.numel()
-                t.add_(flat[offset : offset + n].view(t.shape))
-                offset += n
+        self._each_slice(p, flat, params, Tensor.add_)
 
     def unflatten_into(self, p: int, flat: Tensor, params: Mapping[str, Tensor]) -> None:
         """Copy a 1-D fragment back into the tensors of `params`, in place (dtype cast, no reallocation)."""
+        self._each_slice(p, flat, params, Tensor.copy_)
+
+    def _each_slice(self, p: int, flat: Tensor, params: Mapping[str, Tensor], op) -> None:
+        """op(tensor, its slice of `flat`) for every tensor of fragment p, in plan order."""
         fragment = self.fragments[p]
         if flat.dim() != 1 or flat.numel() != fragment.numel:
             raise ValueError(
@@ -201,5 +195,5 @@ class FragmentPlan:
             offset = 0
             for t in self._tensors(p, params):
                 n = t.numel()
-                t.copy_(flat[offset : offset + n].view(t.shape))
+                op(t, flat[offset : offset + n].view(t.shape))
                 offset += n

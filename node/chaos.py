@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import CheckpointCorrupt, load_checkpoint
-from .goodput import Incarnation
+from .goodput import Incarnation, merged_tokens
 from .throttle import ThrottleRelay
 
 JOIN_WAIT_S = 120.0  # a learner that has not joined by then is a harness error
@@ -131,6 +131,10 @@ class Fleet:
                 s = self.slots[i]
                 s.relay = ThrottleRelay(_free_port(), s.port, mbit * 1e6 / 8).start()
         self.run = FleetRun(mode)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+            # started in the background by a shell: SIGINT is ignored and children would inherit that, and
+            # never stop, evaluate and report at the end of the run
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         self.lock = threading.Lock()
         self.log = open(workdir / "events.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
         self.epoch = 0
@@ -144,10 +148,6 @@ class Fleet:
         self.log.write(json.dumps(ev) + "\n")
 
     def launch(self, slot: Slot, peers: list[str]) -> None:
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-            # started in the background by a shell: SIGINT is ignored and children would inherit that, and
-            # never stop, evaluate and report at the end of the run
-            signal.signal(signal.SIGINT, signal.default_int_handler)
         self._check_checkpoints(slot)
         cmd = [sys.executable, "-m", "diloco.node.cli", "join", "--run", str(self.spec),
                "--listen", f"127.0.0.1:{slot.port}", "--wait-for-peers", str(JOIN_WAIT_S / 2),
@@ -206,8 +206,6 @@ class Fleet:
                 inc.final_eval_loss = ev.get("eval_loss")
 
     def _fleet_merged_tokens(self) -> float:  # holds the lock
-        from .goodput import merged_tokens
-
         return merged_tokens(self.run.incarnations, rollback=self.mode == "sync")
 
     def kill(self, slot: Slot, why: str) -> None:

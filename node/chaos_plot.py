@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the file-only backend
 
 from .chaos import FleetRun  # noqa: E402
+from .goodput import running_mean  # noqa: E402
 
 COLOURS = {"decoupled": "tab:blue", "sync": "tab:red", "no_failure": "tab:gray"}
 
@@ -52,20 +53,12 @@ def plot(out: Path, runs: dict[str, FleetRun], nominal: dict[int, float], fragme
             continue
         pts = sorted((t - run.started_at, loss) for t, _, loss in run.evals)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", ms=3, alpha=0.35, color=COLOURS[mode])
-        k = max(1, len(nominal))
-        smooth = [sum(y for _, y in pts[max(0, i - k + 1): i + 1]) / len(pts[max(0, i - k + 1): i + 1])
-                  for i in range(len(pts))]
+        smooth = running_mean([p[1] for p in pts], max(1, len(nominal)))
         ax.plot([p[0] for p in pts], smooth, "-", color=COLOURS[mode], label=mode.replace("_", " "))
         for x in _faults(run):
             ax.axvline(x, color=COLOURS[mode], lw=0.5, alpha=0.4)
-    ax.set_xlabel("wall time since the fleet came up (s)")
-    ax.set_ylabel("eval loss (each learner's model, held-out data)")
-    ax.set_title("Eval loss under the same fault schedule")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out / "loss_vs_time.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, ax, out / "loss_vs_time.png", "Eval loss under the same fault schedule",
+                       "eval loss (each learner's model, held-out data)"))
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     rate = sum(nominal.values())
@@ -79,12 +72,17 @@ def plot(out: Path, runs: dict[str, FleetRun], nominal: dict[int, float], fragme
             ax.axvline(x, color=COLOURS[mode], lw=0.5, alpha=0.4)
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_ylim(0, 1.1)
+    paths.append(_save(fig, ax, out / "goodput_vs_time.png", "Goodput under the same fault schedule",
+                       "goodput so far (merged steps ÷ nominal steps)"))
+    return paths
+
+
+def _save(fig, ax, path: Path, title: str, ylabel: str) -> Path:
     ax.set_xlabel("wall time since the fleet came up (s)")
-    ax.set_ylabel("goodput so far (merged steps ÷ nominal steps)")
-    ax.set_title("Goodput under the same fault schedule")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    paths.append(out / "goodput_vs_time.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return paths
+    return path

@@ -67,13 +67,20 @@ def make_specs(out: Path, opts: ChaosOptions) -> dict[str, Path]:
     return {mode: g.save(out / f"{mode}.spec") for mode, g in specs.items()}
 
 
+def _steps_after_warmup(inc: gp.Incarnation, warmup_s: float) -> tuple[float, float] | None:
+    """(inner steps, seconds) of an incarnation's progress after its first `warmup_s`; None if too short."""
+    pts = [(t, s) for t, s, _ in inc.progress if t >= inc.progress[0][0] + warmup_s] if inc.progress else []
+    if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
+        return None
+    return pts[-1][1] - pts[0][1], pts[-1][0] - pts[0][0]
+
+
 def nominal_rates(run: FleetRun, warmup_s: float = 3.0) -> dict[int, float]:
     """Steps/s of each standalone learner after a short warm-up."""
     rates = {}
     for inc in run.incarnations:
-        samples = [(t, s) for t, s, _ in inc.progress if t >= inc.progress[0][0] + warmup_s] if inc.progress else []
-        if len(samples) >= 2 and samples[-1][0] > samples[0][0]:
-            rates[inc.slot] = (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
+        if (span := _steps_after_warmup(inc, warmup_s)) is not None:
+            rates[inc.slot] = span[0] / span[1]
     return rates
 
 
@@ -112,10 +119,9 @@ def step_efficiency(run: FleetRun, nominal: dict[int, float], warmup_s: float = 
     ÷ their nominal rate (time-weighted). Synchronous learners wait for merges: it shows here."""
     steps = possible = 0.0
     for inc in run.incarnations:
-        pts = [(t, s) for t, s, _ in inc.progress if inc.progress and t >= inc.progress[0][0] + warmup_s]
-        if len(pts) >= 2:
-            steps += pts[-1][1] - pts[0][1]
-            possible += (pts[-1][0] - pts[0][0]) * nominal[inc.slot]
+        if (span := _steps_after_warmup(inc, warmup_s)) is not None:
+            steps += span[0]
+            possible += span[1] * nominal[inc.slot]
     return steps / possible if possible else 1.0
 
 

@@ -27,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -53,6 +54,16 @@ class Incarnation:
 
 def merged_steps(incarnations: list[Incarnation], fragments: int, rollback: bool) -> dict[int, float]:
     """Per slot, the inner steps that reached a surviving published version."""
+    return {slot: n / fragments for slot, n in _surviving(incarnations, rollback, "merged").items()}
+
+
+def merged_tokens(incarnations: list[Incarnation], rollback: bool) -> int:
+    """Σ over slots of the tokens that reached a surviving version (same rules as `merged_steps`)."""
+    return sum(_surviving(incarnations, rollback, "tokens").values())
+
+
+def _surviving(incarnations: list[Incarnation], rollback: bool, counter: str) -> dict[int, int]:
+    """Per slot, what the counter (`start_<counter>`/`last_<counter>`) gained that survived (module docstring)."""
     by_slot: dict[int, list[Incarnation]] = defaultdict(list)
     for inc in incarnations:
         if inc.joined_at is not None:
@@ -60,28 +71,9 @@ def merged_steps(incarnations: list[Incarnation], fragments: int, rollback: bool
     out = {}
     for slot, incs in by_slot.items():
         incs.sort(key=lambda i: i.launched_at)
-        if rollback:
-            fragment_steps = incs[-1].last_merged - incs[0].start_merged
-        else:
-            fragment_steps = sum(i.last_merged - i.start_merged for i in incs)
-        out[slot] = fragment_steps / fragments
+        start, last = (operator.attrgetter(f"start_{counter}"), operator.attrgetter(f"last_{counter}"))
+        out[slot] = last(incs[-1]) - start(incs[0]) if rollback else sum(last(i) - start(i) for i in incs)
     return out
-
-
-def merged_tokens(incarnations: list[Incarnation], rollback: bool) -> int:
-    """Σ over slots of the tokens that reached a surviving version (same rules as `merged_steps`)."""
-    by_slot: dict[int, list[Incarnation]] = defaultdict(list)
-    for inc in incarnations:
-        if inc.joined_at is not None:
-            by_slot[inc.slot].append(inc)
-    total = 0
-    for incs in by_slot.values():
-        incs.sort(key=lambda i: i.launched_at)
-        if rollback:
-            total += incs[-1].last_tokens - incs[0].start_tokens
-        else:
-            total += sum(i.last_tokens - i.start_tokens for i in incs)
-    return total
 
 
 def allocated_s(incarnations: list[Incarnation], end: float) -> dict[int, float]:
@@ -133,8 +125,7 @@ def loss_at_tokens(points: list[tuple[float, float]], tokens: float, window: int
         return None
     pts = sorted(points)
     xs = [x for x, _ in pts]
-    ys = [sum(y for _, y in pts[max(0, i - window + 1): i + 1]) / len(pts[max(0, i - window + 1): i + 1])
-          for i in range(len(pts))]
+    ys = running_mean([y for _, y in pts], window)
     if tokens <= xs[0]:
         return ys[0]
     if tokens >= xs[-1]:
@@ -142,3 +133,8 @@ def loss_at_tokens(points: list[tuple[float, float]], tokens: float, window: int
     i = bisect.bisect_right(xs, tokens)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return y0 if x1 == x0 else y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+
+def running_mean(ys: list[float], window: int) -> list[float]:
+    """Mean of each value and the `window` − 1 before it (fewer at the start)."""
+    return [sum(ys[max(0, i - window + 1): i + 1]) / len(ys[max(0, i - window + 1): i + 1]) for i in range(len(ys))]

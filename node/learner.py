@@ -50,9 +50,13 @@ class SyncTimeout(RuntimeError):
 def genesis_digest(plan: FragmentPlan, model: torch.nn.Module) -> bytes:
     """One digest of Θ^(0): every fragment's fp32 bytes, in order. Put in the RunSpec by `init-run`."""
     params = dict(model.named_parameters())
+    return _digest_of([plan.flatten(p, params) for p in range(len(plan.fragments))])
+
+
+def _digest_of(fragments: list[torch.Tensor]) -> bytes:
     h = hashlib.sha256()
-    for p in range(len(plan.fragments)):
-        h.update(anchor_digest(plan.flatten(p, params)))
+    for f in fragments:
+        h.update(anchor_digest(f))
     return h.digest()
 
 
@@ -148,10 +152,7 @@ class Learner:
             self._check_genesis([self.plan.flatten(p, self.params) for p in range(self.spec.fragments)])
 
     def _check_genesis(self, anchors: list[torch.Tensor]) -> None:
-        h = hashlib.sha256()
-        for a in anchors:
-            h.update(anchor_digest(a))
-        if h.digest() != self.spec.genesis_digest:
+        if _digest_of(anchors) != self.spec.genesis_digest:
             raise RunMismatch("this model's initial parameters differ from the run's; build it with the "
                               f"run's seed ({self.spec.seed}) and task ({self.spec.task})")
 
