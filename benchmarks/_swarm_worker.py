@@ -109,16 +109,20 @@ def main() -> None:
     store = learner.swarm.store
     for line in sys.stdin:
         command = line.strip()
+        if command == "prepare":  # training's share of a round, before the clock starts (all learners at once)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+            learner._apply_new_versions()
+            say(event="prepared")
+            continue
         if command not in ("go", "stagger"):
             break
         target = [v.version + 1 for v in learner.labels]
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 1e-3)
-        learner._apply_new_versions()
         sent, cpu0 = time.time(), time.process_time()
         for p in range(FRAGMENTS):  # "go": every fragment at once; "stagger": one after the other, as scheduled
-            learner.swarm.submit_delta(p, learner.plan.flatten(p, learner.params), learner.base[p], 1, 1)
+            snapshot = learner.plan.flatten(p, learner.params, out=learner.swarm.pool.take(learner.plan.fragments[p].numel))
+            learner.swarm.submit_delta(p, snapshot, learner.base[p], 1, 1)
             stop = time.monotonic() + 60
             while command == "stagger" and store.label(p).version < target[p] and time.monotonic() < stop:
                 time.sleep(0.002)
@@ -126,10 +130,13 @@ def main() -> None:
         while any(store.label(p).version < target[p] for p in range(FRAGMENTS)) and time.monotonic() < deadline:
             time.sleep(0.002)
         if time.monotonic() >= deadline:
-            say(event="stalled", labels=[str(v) for v in learner.labels], target=target)
+            st = learner.status()
+            say(event="stalled", labels=[str(v) for v in learner.labels], target=target, shard=st["shard"],
+                sync=st["sync"])
             break
         learner._apply_new_versions()
-        say(event="round", sent=sent, have=time.time(), rss=current_rss(), cpu_s=time.process_time() - cpu0)
+        say(event="round", sent=sent, have=time.time(), rss=current_rss(), cpu_s=time.process_time() - cpu0,
+            shard=learner.swarm.shard.stats if learner.swarm.shard else {}, sync=learner.swarm.sync.stats)
     learner.close()
 
 

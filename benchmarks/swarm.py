@@ -89,16 +89,25 @@ def stand_in_spec(path: Path) -> None:
 
     model = StandIn()
     plan = FragmentPlan.from_module(model, FRAGMENTS)
-    spec = RunSpec("swarm-bench", task="stand-in", fragments=FRAGMENTS, codec="int8", plan_digest=plan.digest(),
-                   genesis_digest=genesis_digest(plan, model))
+    # quorum 4: each round merges all four learners' deltas into one version per fragment, as hivemind's
+    # all-reduce averages its group of four
+    spec = RunSpec("swarm-bench", task="stand-in", fragments=FRAGMENTS, codec="int8", quorum=4,
+                   plan_digest=plan.digest(), genesis_digest=genesis_digest(plan, model))
     Genesis.create(Identity.generate(), spec).save(path)
 
 
-def _round_events(workers: list[Worker]) -> list[dict]:
+def _round_events(workers: list[Worker], command: str) -> list[dict]:
+    """One round: every learner perturbs its parameters (as training would), then all are released together."""
+    for w in workers:
+        w.send("prepare")
+    for w in workers:
+        w.event()
+    for w in workers:
+        w.send(command)
     evs = [w.event() for w in workers]
     stalled = [e for e in evs if e["event"] != "round"]
     if stalled:
-        raise RuntimeError(f"a round did not complete within its deadline: {stalled}")
+        raise RuntimeError(f"a round did not complete within its deadline: {stalled}; the others: {[e for e in evs if e not in stalled]}")
     return evs
 
 
@@ -123,17 +132,13 @@ def stand_in_part(tmp: Path, rounds: int) -> dict:
         # below raise the peak: ru_maxrss only ever grows.
         staggered = []
         for _ in range(rounds + 1):
-            for w in workers:
-                w.send("stagger")
-            staggered.append(_round_events(workers))
+            staggered.append(_round_events(workers, "stagger"))
         rss = [e["maxrss"] for e in staggered[-1]]
         growth = statistics.median(b["rss"] - a["rss"] for a, b in zip(staggered[1], staggered[-1], strict=True))
         log(f"staggered rounds: peak RSS {[r / 2**20 for r in rss]} MiB, growth {growth / 2**20:.1f} MiB")
         times = []
         for r in range(rounds):
-            for w in workers:
-                w.send("go")
-            evs = _round_events(workers)
+            evs = _round_events(workers, "go")
             times.append(max(e["have"] for e in evs) - max(e["sent"] for e in evs))
             log(f"round {r}: {times[-1]:.3f}s, CPU seconds per learner {[round(e['cpu_s'], 2) for e in evs]}")
         joiner = Worker([worker, "joiner", str(spec), url])

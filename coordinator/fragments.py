@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from diloco.protocol.codecs import Codec
-from diloco.protocol.errors import BadSignature, StaleVersion
+from diloco.protocol.errors import BadSignature, Malformed, StaleVersion
 
 from .version import GENESIS, Version
 
@@ -39,8 +39,15 @@ class Encoded:
     payload: bytes | memoryview
 
     def decode(self, numel: int, out: Tensor | None = None) -> Tensor:
-        """The flat fp32 tensor; into `out` (a contiguous fp32 buffer of `numel` elements) if given."""
-        return self.codec.decode(self.meta, self.payload, max_elements=numel, out=out).reshape(-1)
+        """The flat fp32 tensor; into `out` (a contiguous fp32 buffer of `numel` elements) if given. Raises
+        `Malformed` if the payload does not hold exactly `numel` elements."""
+        try:
+            flat = self.codec.decode(self.meta, self.payload, max_elements=numel, out=out).reshape(-1)
+        except ValueError:  # `out` has `numel` elements, the payload another number
+            flat = None
+        if flat is None or flat.numel() != numel:
+            raise Malformed(f"a tensor of {numel} elements was expected; the payload holds another number")
+        return flat
 
 
 Move = Tensor | Encoded
@@ -123,7 +130,8 @@ class FragmentStore:
             if not new > base:
                 raise StaleVersion(f"update to {new} does not move fragment {p} forward from {base}")
             if expect_digest is not None:
-                result = held.anchor + update.reshape(-1)
+                # into `update`'s own buffer when the learner gets `move` instead (a + b == b + a, bit for bit)
+                result = update.reshape(-1).add_(held.anchor) if move is not None else held.anchor + update.reshape(-1)
                 if anchor_digest(result) != expect_digest:
                     raise DigestMismatch(f"fragment {p} at {new} differs from the owner's; downloading it whole")
                 held.anchor.copy_(result)
@@ -175,6 +183,15 @@ class FragmentStore:
                 frames.append(frame)
                 at = new
         return frames if at == held.label else None
+
+    def add_to(self, p: int, label: Version, update: Tensor, out: Tensor) -> bool:
+        """out := Θ_p + update if Θ_p is still at `label` (what an owner certifies); False if it has moved."""
+        with self.lock:
+            held = self.held[p]
+            if held.label != label:
+                return False
+            torch.add(held.anchor, update.reshape(-1), out=out)
+            return True
 
     def snapshot(self, p: int) -> tuple[Tensor, Version, bytes]:
         """A consistent copy of (anchor, label, cert)."""

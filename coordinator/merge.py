@@ -4,9 +4,10 @@ Pure tensor math, no network and no state. Each contribution is weighted by the 
 discounted by its staleness; non-finite deltas are refused; outlier norms are clipped to c·median; then
 non-embedding fragments use radial-directional averaging (RDA) and embedding fragments the weighted mean.
 Deltas are 1-D fragments (plan.py); arithmetic is fp32 with fp64 norms and scalar weights. Loops run over
-contributions, never over elements. A contribution's delta may be a zero-argument callable that produces it
-(an owner decodes from the bytes it holds): `merge` then streams, holding one decoded delta at a time (it
-makes two passes, norms then sums), instead of all M at once.
+contributions, never over elements. A contribution's delta may be a callable that produces it, optionally into
+a buffer it is given (an owner decodes from the bytes it holds): `merge` then streams, holding one decoded
+delta at a time instead of all M at once. RDA needs one pass (clipping changes a delta's norm, not its
+direction, so only the radius waits for the median); a weighted-mean part needs a second.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from diloco.protocol.codecs import l2_norm
 from diloco.protocol.errors import Malformed
 
 # Below this norm x/‖x‖ is not representable in fp32 (the smallest normal fp32), so φ(x) is taken as 0.
@@ -38,7 +40,8 @@ class NonFiniteDelta(InvalidContribution):
 class Contribution:
     """One learner's pseudo-gradient Δ = Θ_anchor − θ_local for a fragment, with the counters behind it."""
 
-    delta: Tensor | Callable[[], Tensor]  # or what produces it, called once per pass of `merge`
+    delta: Tensor | Callable[[Tensor | None], Tensor]  # or what produces it (into the buffer given, if one
+    # is), called once per pass of `merge`
     tokens: int
     steps: int
     staleness: int = 0
@@ -58,8 +61,9 @@ def token_weight(tokens: int, steps: int, staleness: int = 0) -> float:
     return tokens * (tokens / steps) / (1 + staleness)
 
 
-def delta_of(c: Contribution) -> Tensor:
-    return c.delta() if callable(c.delta) else c.delta
+def delta_of(c: Contribution, out: Tensor | None = None) -> Tensor:
+    """The contribution's delta; a callable one is asked to produce it into `out` (a flat fp32 buffer)."""
+    return c.delta(out) if callable(c.delta) else c.delta
 
 
 def validate(c: Contribution, numel: int | None = None, delta: Tensor | None = None) -> float:
@@ -77,7 +81,7 @@ def validate(c: Contribution, numel: int | None = None, delta: Tensor | None = N
     if isinstance(c.staleness, bool) or not isinstance(c.staleness, int) or c.staleness < 0:
         raise InvalidContribution(f"{who}: staleness must be a non-negative integer, got {c.staleness!r}")
     # One pass: the norm is finite iff every element is (fp64 so that large finite fp32 values do not overflow).
-    norm = torch.linalg.vector_norm(d, dtype=torch.float64).item()
+    norm = l2_norm(d)
     if not math.isfinite(norm):
         raise NonFiniteDelta(f"{who}: delta holds NaN or infinite values")
     return norm
@@ -116,7 +120,7 @@ def rda(deltas: Sequence[Tensor], weights: Sequence[float], norms: Sequence[floa
     the merged norm does not shrink as learners are added. `norms` may pass precomputed ‖Δ_m‖.
     """
     if norms is None:
-        norms = [torch.linalg.vector_norm(d, dtype=torch.float64).item() for d in deltas]
+        norms = [l2_norm(d) for d in deltas]
     total = math.fsum(weights)
     radius = math.fsum(w * n for w, n in zip(weights, norms, strict=True)) / total
     direction = torch.zeros_like(deltas[0], dtype=torch.float32)
@@ -128,7 +132,7 @@ def rda(deltas: Sequence[Tensor], weights: Sequence[float], norms: Sequence[floa
 
 def _finish_rda(direction: Tensor, radius: float, count: int) -> Tensor:
     """u = Σ w_m φ(Δ_m)/Σ w_m, in place: radius · φ(u)."""
-    length = torch.linalg.vector_norm(direction, dtype=torch.float64).item()
+    length = l2_norm(direction)
     # ‖u‖ <= 1 (a mean of unit vectors). When the directions cancel, what is left of u is fp32 rounding
     # (about M·ε); normalising it would blow noise up to the full radius, so treat it as 0: φ(0) = 0.
     if length <= 4 * count * _EPS or radius == 0.0:
@@ -142,6 +146,8 @@ def merge(
     clip_c: float = 3.0,
     *,
     embedding_numel: int | None = None,
+    out: Tensor | None = None,
+    scratch: Tensor | None = None,
 ) -> MergeResult:
     """Merge the contributions of one fragment (DESIGN §7 "Merge").
 
@@ -149,6 +155,8 @@ def merge(
     mixes both kinds passes `embedding_numel=Fragment.embedding_numel` instead: its first `embedding_numel`
     elements (the embedding tensors) get the weighted mean and the rest RDA. Clipping uses the whole delta.
     The same sums as `weighted_mean` and `rda` on the clipped deltas, taken one contribution at a time.
+    `out` receives the merged delta and `scratch` the decoded deltas of callable contributions (flat fp32
+    buffers of the fragment's size; fresh ones when not given).
 
     Raises `InvalidContribution` (or its subclass `NonFiniteDelta`) for the first bad contribution: validate
     each one with `validate` on receipt and drop the bad ones so that this never raises.
@@ -158,31 +166,37 @@ def merge(
         raise ValueError("merge needs at least one contribution")
     if not clip_c > 0:
         raise ValueError(f"clip_c must be positive, got {clip_c}")
-    first = delta_of(cs[0])
+    first = delta_of(cs[0], scratch)
     numel = first.numel()
     k = numel if is_embedding else (embedding_numel or 0)
     if not 0 <= k <= numel or (is_embedding and embedding_numel not in (None, numel)):
         raise ValueError(f"embedding_numel={embedding_numel} does not fit a fragment of {numel} elements")
-    norms, tails = [], []  # ‖Δ_m‖, and ‖Δ_m[k:]‖ (the RDA part's own norm)
-    for i, c in enumerate(cs):
-        d = first if i == 0 else delta_of(c)
-        norms.append(validate(c, numel, d))
-        tails.append(norms[-1] if k == 0 else torch.linalg.vector_norm(d[k:], dtype=torch.float64).item())
-        del d
-    del first
+    out = torch.zeros(numel, dtype=torch.float32) if out is None else out.zero_()
+    mean, direction = out[:k], out[k:]
     weights = [token_weight(c.tokens, c.steps, c.staleness) for c in cs]
     total = math.fsum(weights)
-    factors = clip_factors(norms, clip_c)
-    out = torch.zeros(numel, dtype=torch.float32)
-    mean, direction = out[:k], out[k:]
-    for c, w, s, n in zip(cs, weights, factors, tails, strict=True):
-        d = delta_of(c)
-        if k:
-            mean.add_(d[:k], alpha=w * s / total)
-        if k < numel and n * s >= _TINY:  # φ(sΔ_m) = Δ_m/‖Δ_m‖ (clipping keeps the direction), else 0
-            direction.add_(d[k:], alpha=w / (total * n))
+    # Pass 1: the norms, and RDA's sum of unit directions (φ(sΔ_m) = Δ_m/‖Δ_m‖: clipping keeps the direction).
+    norms, tails = [], []  # ‖Δ_m‖, and ‖Δ_m[k:]‖ (the RDA part's own norm)
+    for i, (c, w) in enumerate(zip(cs, weights, strict=True)):
+        d = first if i == 0 else delta_of(c, scratch)
+        norms.append(validate(c, numel, d))
+        tails.append(norms[-1] if k == 0 else l2_norm(d[k:]))
+        if k < numel and tails[-1] >= _TINY:
+            direction.add_(d[k:], alpha=w / (total * tails[-1]))
         del d
+    del first
+    factors = clip_factors(norms, clip_c)
+    if k:  # pass 2: the weighted mean of the clipped deltas needs the clip factors, hence the median
+        for c, w, s in zip(cs, weights, factors, strict=True):
+            mean.add_(delta_of(c, scratch)[:k], alpha=w * s / total)
     if k < numel:
+        if any(n * s < _TINY <= n for n, s in zip(tails, factors, strict=True)):
+            # a delta clipped below the representable: φ(sΔ) = 0 for it; redo the sum without it (only
+            # reachable when the median norm itself is below ~1e-38)
+            direction.zero_()
+            for c, w, s, n in zip(cs, weights, factors, tails, strict=True):
+                if n * s >= _TINY:
+                    direction.add_(delta_of(c, scratch)[k:], alpha=w / (total * n))
         radius = math.fsum(w * n * s for w, n, s in zip(weights, tails, factors, strict=True)) / total
         _finish_rda(direction, radius, len(cs))
     return MergeResult(

@@ -3,9 +3,9 @@
 The merged pseudo-gradient Δ = Θ_anchor − θ_local is used as a gradient, exactly as
 `torch.optim.SGD(lr, momentum, nesterov=True)` with `grad = Δ` would use it (DiLoCo 2311.08105, Alg. 1), and the
 arithmetic is the same op for op, so both give the same bits on the same device. `step` is functional: it
-never mutates its inputs, so the owner can form the update U = Θ^(v+1) − Θ^(v) before committing to it. The
-per-fragment state is one momentum tensor, exported as plain tensors for replicas and checkpoints. No
-network, no clocks.
+never mutates its inputs. `update_into` is what the owner runs: the same step written as the update
+U = Θ^(v+1) − Θ^(v) = −lr·g, in place. The per-fragment state is one momentum tensor, exported as plain
+tensors for replicas and checkpoints. No network, no clocks.
 """
 
 from __future__ import annotations
@@ -61,6 +61,28 @@ class OuterOptimizer:
                     buf = momentum.mul(self.momentum).add_(delta)
                 grad = delta.add(buf, alpha=self.momentum) if self.nesterov else buf
             return OuterStep(theta.add(grad, alpha=-self.lr), buf)
+
+    def update_into(self, delta: Tensor, momentum: Tensor | None = None) -> Tensor | None:
+        """The same step as `step`, as the update U = Θ' − Θ = −lr·g written over `delta`; `momentum` is
+        updated in place (a fresh buffer on the first step) and returned. Needs no Θ and allocates nothing
+        after the first step: what an owner runs every round."""
+        with torch.no_grad():
+            buf = None
+            if self.momentum != 0:
+                if momentum is None:
+                    buf = delta.detach().clone()
+                else:
+                    if momentum.shape != delta.shape:
+                        raise ValueError(
+                            f"momentum has shape {tuple(momentum.shape)}, delta {tuple(delta.shape)}"
+                        )
+                    buf = momentum.mul_(self.momentum).add_(delta)
+                if self.nesterov:
+                    delta.add_(buf, alpha=self.momentum)
+                else:
+                    delta.copy_(buf)
+            delta.mul_(-self.lr)
+            return buf
 
 
 def export_state(momentum: Tensor | None) -> dict[str, Tensor]:

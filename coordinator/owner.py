@@ -18,6 +18,7 @@ from torch import Tensor
 from diloco.protocol.codecs import Codec, get_codec
 from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
 
+from .buffers import BufferPool
 from .fragments import Encoded
 from .grace import QuorumTracker
 from .merge import Contribution, InvalidContribution, merge
@@ -78,8 +79,10 @@ class FragmentOwner:
         momentum: Tensor | None = None,
         learners: Iterable[str] = (),
         clock: Callable[[], float] = time.monotonic,
+        pool: BufferPool | None = None,
     ) -> None:
         self.p, self.numel, self.embedding_numel = p, numel, embedding_numel
+        self.pool = pool or BufferPool(numel, keep=0)  # keep=0: fresh buffers every time
         self.codec, self.outer, self.settings, self.term = codec, outer, settings, term
         self.momentum = momentum
         self.residual: Encoded | None = None  # error feedback, kept int8: 1 B/param instead of 4
@@ -128,10 +131,13 @@ class FragmentOwner:
         self.tracker.reset()
         return batch
 
-    def step(self, batch: list[PendingDelta], anchor: Tensor, current: Version) -> Publication:
-        """Merge a round's deltas, take the outer step and encode the update. Touches neither `anchor` nor
+    def step(self, batch: list[PendingDelta], current: Version) -> Publication:
+        """Merge a round's deltas, take the outer step and encode the update. Touches neither the anchor nor
         the pending deltas (it may run in a worker thread); the caller applies `Publication.update` once
-        the publication is replicated."""
+        the publication is replicated, then gives it back to the pool.
+
+        The update is computed as U = −lr·g directly (g the Nesterov gradient of `OuterOptimizer.step`), which
+        is Θ^(v+1) − Θ^(v) without forming Θ^(v+1); the momentum buffer is updated in place."""
         contributions = [
             Contribution(functools.partial(self._decode_one, d), d.tokens, d.steps,
                          max(0, current.version - d.base.version), d.learner)
@@ -139,18 +145,24 @@ class FragmentOwner:
         ]
         if not contributions:
             raise InvalidContribution(f"no delta for fragment {self.p} in this round")
-        result = merge(contributions, clip_c=self.settings.clip_c, embedding_numel=self.embedding_numel)
-        stepped = self.outer.step(anchor, result.delta, self.momentum)
-        self.momentum = stepped.momentum
-        update = stepped.theta.sub_(anchor)  # U = Θ^(v+1) − Θ^(v), in the buffer of Θ^(v+1)
-        if self.settings.error_feedback and self.residual is not None:
-            update.add_(self.residual.decode(self.numel))
-        meta, payload = self.codec.encode(update)
-        decoded = self.codec.decode(meta, payload, max_elements=self.numel)
-        if self.settings.error_feedback:
-            # what the codec dropped, carried into the next update; its own int8 rounding (~1/256 of a
-            # residual that is itself ~1/256 of the update) is not carried
-            self.residual = Encoded(RESIDUAL_CODEC, *RESIDUAL_CODEC.encode(update.sub_(decoded)))
+        pool = self.pool
+        scratch, update = pool.take(self.numel), pool.take(self.numel)
+        try:
+            result = merge(contributions, clip_c=self.settings.clip_c, embedding_numel=self.embedding_numel,
+                           out=update, scratch=scratch)
+            self.momentum = self.outer.update_into(result.delta, self.momentum)  # result.delta is now U
+            if self.settings.error_feedback and self.residual is not None:
+                update.add_(self.residual.decode(self.numel, out=scratch))
+            meta, payload = self.codec.encode(update)
+            decoded = self.codec.decode(meta, payload, max_elements=self.numel, out=pool.take(self.numel))
+            decoded = decoded.reshape(-1)
+            if self.settings.error_feedback:
+                # what the codec dropped, carried into the next update; its own int8 rounding (~1/256 of a
+                # residual that is itself ~1/256 of the update) is not carried
+                self.residual = Encoded(RESIDUAL_CODEC, *RESIDUAL_CODEC.encode(update.sub_(decoded)))
+        finally:
+            pool.give(scratch)
+            pool.give(update)
         return Publication(
             p=self.p,
             base=current,
@@ -162,10 +174,13 @@ class FragmentOwner:
             tokens=result.total_tokens,
         )
 
-    def _decode_one(self, d: PendingDelta) -> Tensor:
-        """Decode and check one delta's size. Raises `Malformed`. The codecs never decode to non-finite values
-        (they refuse such payloads), and `merge` checks every norm again."""
-        delta = self.codec.decode(d.meta, d.payload, max_elements=self.numel).reshape(-1)
+    def _decode_one(self, d: PendingDelta, out: Tensor | None = None) -> Tensor:
+        """Decode (into `out`, if given) and check one delta's size. Raises `Malformed`. The codecs never
+        decode to non-finite values (they refuse such payloads), and `merge` checks every norm again."""
+        try:
+            delta = self.codec.decode(d.meta, d.payload, max_elements=self.numel, out=out).reshape(-1)
+        except ValueError:  # `out` has the fragment's size, the payload another
+            raise Malformed(f"delta does not have the {self.numel} elements of fragment {self.p}") from None
         if delta.numel() != self.numel:
             raise Malformed(f"delta has {delta.numel()} elements, fragment {self.p} has {self.numel}")
         return delta

@@ -171,8 +171,12 @@ class FragmentPlan:
             out.append(t)
         return out
 
-    def flatten(self, p: int, params: Mapping[str, Tensor]) -> Tensor:
-        """Fragment p of `params` as one new 1-D fp32 tensor, tensors concatenated in plan order."""
+    def flatten(self, p: int, params: Mapping[str, Tensor], out: Tensor | None = None) -> Tensor:
+        """Fragment p of `params` as one 1-D fp32 tensor, tensors concatenated in plan order: a new one, or
+        written into `out` (a flat fp32 buffer of the fragment's size)."""
+        if out is not None:
+            self._each_slice(p, out, params, lambda t, part: part.copy_(t))
+            return out
         with torch.no_grad():
             return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in self._tensors(p, params)])
 

@@ -29,13 +29,14 @@ from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion, Unava
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
+from .buffers import BufferPool
 from .fragments import DigestMismatch, Encoded, FragmentStore, anchor_digest
 from .membership import Membership
 from .outer import OuterOptimizer
 from .owner import FragmentOwner, OwnerSettings, PendingDelta
 from .plan import FragmentPlan
 from .runspec import RunSpec
-from .sync import FragmentSync
+from .sync import STATEFUL_POST_FLOOR_S, FragmentSync
 from .version import GENESIS, Version
 from .wire import (
     DELTA,
@@ -95,8 +96,10 @@ class Shard:
         server: PeerServer,
         sync: FragmentSync,
         codec: Codec | None = None,
+        pool: BufferPool | None = None,
     ) -> None:
         self.identity, self.spec, self.plan, self.store = identity, spec, plan, store
+        self.pool = pool or BufferPool(max((f.numel for f in plan.fragments), default=0))
         self.members, self.client, self.sync = membership, client, sync
         self.codec = codec or get_codec(spec.codec)
         self.outer = OuterOptimizer(spec.outer_lr, spec.outer_momentum, nesterov=spec.outer_momentum > 0)
@@ -175,7 +178,7 @@ class Shard:
         momentum = kept[1].decode(frag.numel) if kept is not None and kept[0] == label and kept[1] else None
         term = next_term(max(label.term, self.terms_seen[p]), self.members.peer_id)
         self.owners[p] = FragmentOwner(p, frag.numel, frag.embedding_numel, self.codec, self.outer, self.settings,
-                                       term, momentum, live)
+                                       term, momentum, live, pool=self.pool)
         self.momentum_source[p] = "replica" if momentum is not None else "fresh"
         if label != GENESIS:
             self.stats["takeovers"] += 1
@@ -265,22 +268,31 @@ class Shard:
 
     async def _step(self, p: int, owner: FragmentOwner) -> None:
         t0 = time.monotonic()
-        anchor, label, _ = self.store.snapshot(p)
+        label = self.store.label(p)
         if label.term > owner.term:  # another peer owned p meanwhile (views differed): publish above its term
             owner.term = next_term(label.term, self.members.peer_id)
-        pub = await asyncio.to_thread(owner.step, owner.take_round(), anchor, label)
-        digest = anchor_digest(anchor.add_(pub.update))  # Θ^(new), computed exactly as every holder will
-        fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta, tuple(pub.learners)).to_fields()
-        env = seal(self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
-        frame = env.to_bytes()
-        replicated = await self._replicate(p, owner, env, anchor, pub.new)
+        pub = await asyncio.to_thread(owner.step, owner.take_round(), label)
+        anchor = self.pool.take(self.store.numel(p))
+        try:
+            if not self.store.add_to(p, label, pub.update, out=anchor):  # Θ^(new), exactly as every holder will
+                self.stats["publications_abandoned"] += 1  # another owner's version arrived meanwhile
+                return
+            digest = await asyncio.to_thread(anchor_digest, anchor)
+            fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta, tuple(pub.learners)).to_fields()
+            env = seal(self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
+            frame = env.to_bytes()
+            replicated = await self._replicate(p, owner, env, anchor, pub.new)
+        finally:
+            self.pool.give(anchor)
         if self.owners.get(p) is not owner or self.store.label(p) != pub.base:
             # Lost ownership meanwhile, or another owner's newer version arrived first (views of the member
             # set differed for a moment): the version with the higher (term, version) stands.
             self.stats["publications_abandoned"] += 1
+            self.pool.give(pub.update)
             return
         self.store.advance(p, pub.base, pub.new, pub.update, frame, env.prefix(), contributors=pub.learners,
                            move=Encoded(self.codec, pub.meta, pub.payload))
+        self.pool.give(pub.update)
         self.outer_steps[p] += 1
         self.stats["outer_steps"] += 1
         await self._push(env, exclude=replicated | {self.members.peer_id})
@@ -295,7 +307,7 @@ class Shard:
         async def one(member) -> None:
             async with gate:
                 try:
-                    await self.client.send_envelope(member.url, ROUTE_UPDATE, env)
+                    await self.client.send_envelope(member.url, ROUTE_UPDATE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
                 except RemoteError as e:
                     self.stats[f"push_refused_{e.status}"] += 1
                 except TransportError as e:
@@ -324,7 +336,7 @@ class Shard:
                 return None
             try:
                 env = seal(self.identity, REPLICATE, self.spec.run_id, fields, frame + mbytes)
-                await self.client.send_envelope(url, ROUTE_REPLICATE, env)
+                await self.client.send_envelope(url, ROUTE_REPLICATE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
                 return peer
             except RemoteError as e:
                 if e.status == 409 and owner.momentum is not None:  # the replica is behind: send it everything
@@ -353,7 +365,8 @@ class Shard:
         payload = cert + anchor.numpy().tobytes() + momentum.contiguous().numpy().tobytes()
         try:
             await self.client.send_envelope(url, ROUTE_REPLICATE,
-                                            seal(self.identity, REPLICATE, self.spec.run_id, fields, payload))
+                                            seal(self.identity, REPLICATE, self.spec.run_id, fields, payload),
+                                            min_deadline_s=STATEFUL_POST_FLOOR_S)
             self.stats["full_replications"] += 1
             return True
         except (TransportError, ProtocolError) as e:
@@ -373,8 +386,9 @@ class Shard:
             except (StaleVersion, DigestMismatch) as e:
                 raise StaleVersion(f"replica cannot apply this update ({e}); send the full state") from None
             momentum = Encoded(self.codec, f.momentum, bytes(rest)) if f.momentum else None
-            if momentum is not None:
-                momentum.decode(numel)  # refuse a malformed payload now, not at the takeover
+            if momentum is not None:  # refuse a malformed payload now, not at the takeover
+                with self.pool.borrow(numel) as scratch:
+                    momentum.decode(numel, out=scratch)
         else:
             if len(rest) != 8 * numel:
                 raise Malformed(f"full replication of fragment {f.p} must carry {8 * numel} bytes of state")

@@ -25,6 +25,7 @@ from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
+from .buffers import BufferPool
 from .fragments import KEEP_UPDATES, DigestMismatch, Encoded, FragmentStore, Move, anchor_digest
 from .membership import Membership
 from .runspec import RunSpec
@@ -46,6 +47,10 @@ from .wire import (
 
 log = logging.getLogger(__name__)
 DIGEST_EVERY = 4
+# Swarm messages that change state (deltas, updates, replication) wait at least this long for an answer. A
+# peer busy with an outer step on a loaded machine answers late, and an envelope timed out may still have
+# been taken: a delta sent again after it would be counted twice. A dead peer refuses the connection at once.
+STATEFUL_POST_FLOOR_S = 5.0
 
 
 class FragmentSync:
@@ -60,8 +65,10 @@ class FragmentSync:
         client: PeerClient,
         server: PeerServer | None,
         codec: Codec,
+        pool: BufferPool | None = None,
     ) -> None:
         self.identity, self.spec, self.store, self.members, self.client = identity, spec, store, membership, client
+        self.pool = pool or BufferPool(max((store.numel(p) for p in range(len(store))), default=0))
         self.codec = codec
         self.P = len(store)
         self.verifier = EnvelopeVerifier(spec.run_id, is_member=spec.is_member, kinds={UPDATE})
@@ -89,14 +96,14 @@ class FragmentSync:
             return False
         if f.base != held:
             raise StaleVersion(f"fragment {f.p} is at {held}; this update applies to {f.base}")
-        update = self.codec.decode(f.codec, env.payload, max_elements=self.store.numel(f.p)).reshape(-1)
-        if update.numel() != self.store.numel(f.p):  # (the codecs never decode to non-finite values)
-            raise Malformed(f"update for fragment {f.p} has {update.numel()} elements, not {self.store.numel(f.p)}")
+        numel = self.store.numel(f.p)
         frame = env.to_bytes()
         move = Encoded(self.codec, f.codec, memoryview(frame)[env.frame_size() - len(env.payload):])
         check = verify if verify is not None else f.new.version % DIGEST_EVERY == 0
-        self.store.advance(f.p, f.base, f.new, update, frame, env.prefix(),
-                           expect_digest=f.digest if check else None, contributors=f.learners, move=move)
+        with self.pool.borrow(numel) as update:  # (the codecs never decode to non-finite values)
+            move.decode(numel, out=update)
+            self.store.advance(f.p, f.base, f.new, update, frame, env.prefix(),
+                               expect_digest=f.digest if check else None, contributors=f.learners, move=move)
         self.versions_accepted += 1
         return True
 
@@ -275,10 +282,12 @@ class FragmentSync:
             self.store.end_send(p, accepted)
 
     async def _send_delta(self, p: int, live_fragment: torch.Tensor, base: Version, steps: int, tokens: int) -> bool:
-        delta = self.store.delta(p, base, live_fragment)
+        delta = self.store.delta(p, base, live_fragment)  # (a snapshot taken from `self.pool` goes back to it
+        # once encoded, unless error feedback keeps Δ itself)
         if delta is None:
             self.stats["deltas_dropped_moved"] += 1  # the anchor moved since the snapshot; Δ would be wrong
             self.store.carry(p, steps, tokens)
+            self.pool.give(live_fragment)
             return False
         if self.feedback is not None:  # the residual carries what the codec dropped; θ[p] gives up all of Δ
             meta, payload = self.feedback.encode(str(p), delta)
@@ -287,6 +296,7 @@ class FragmentSync:
             meta, payload = self.codec.encode(delta)
             merged = Encoded(self.codec, meta, payload)
             del delta
+            self.pool.give(live_fragment)
         carried = self.store.set_outstanding(p, base, merged, steps, tokens)
         if carried is None:
             self.stats["deltas_dropped_moved"] += 1
@@ -318,7 +328,7 @@ class FragmentSync:
                     url = self.members.url(owner)
                     if url is None:
                         raise TransportError(f"no address for owner {owner[:8]}")
-                    await self.client.send_envelope(url, ROUTE_DELTA, env)
+                    await self.client.send_envelope(url, ROUTE_DELTA, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
                 self.stats["deltas_sent"] += 1
                 return True
             except RemoteError as e:

@@ -106,7 +106,6 @@ class Learner:
         self.checkpoint_every = checkpoint_every
         self.sync_timeout_s = sync_timeout_s  # synchronous runs only: the longest wait for a merge
         self._restored: dict = {}  # counters from the checkpoint we resumed from
-        self._buffer: torch.Tensor | None = None  # see _scratch
         self._saving: threading.Thread | None = None
         self._last_step_at: float | None = None
         self.swarm: Swarm | None = None
@@ -200,7 +199,7 @@ class Learner:
             if self.spec.synchronous:
                 self._wait_merged([p])
             if self.c_steps[p] > 0:
-                snapshot = self.plan.flatten(p, self.params)
+                snapshot = self.plan.flatten(p, self.params, out=self.swarm.pool.take(self.plan.fragments[p].numel))
                 self.swarm.store.begin_send(p)
                 self.swarm.submit_delta(p, snapshot, self.base[p], self.c_steps[p], self.c_tokens[p])
                 self.sent_steps += self.c_steps[p]
@@ -238,16 +237,11 @@ class Learner:
             self.c_steps[p] = self.c_tokens[p] = 0
         for p, moves in changes.moves.items():
             numel = self.plan.fragments[p].numel
-            for move in moves:  # decoded into one reused buffer, added tensor by tensor: no fragment copies
-                if not isinstance(move, torch.Tensor):
-                    move = move.decode(numel, out=self._scratch(numel))
-                self.plan.add_into(p, move, self.params)
-
-    def _scratch(self, numel: int) -> torch.Tensor:
-        """A reused fp32 buffer for decoding moves (a fresh one per move would page-fault it in each time)."""
-        if self._buffer is None or self._buffer.numel() < numel:
-            self._buffer = torch.empty(max(f.numel for f in self.plan.fragments), dtype=torch.float32)
-        return self._buffer[:numel]
+            with self.swarm.pool.borrow(numel) as scratch:
+                for move in moves:  # decoded into a reused buffer, added tensor by tensor: no fragment copies
+                    if not isinstance(move, torch.Tensor):
+                        move = move.decode(numel, out=scratch)
+                    self.plan.add_into(p, move, self.params)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
 

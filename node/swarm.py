@@ -21,6 +21,7 @@ from urllib.parse import quote
 import torch
 from aiohttp import web
 
+from diloco.coordinator.buffers import BufferPool
 from diloco.coordinator.fragments import FragmentStore
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.plan import FragmentPlan
@@ -39,6 +40,7 @@ ROUTE_REACH = "/v1/reach"
 
 
 LARGE_BUFFER_BYTES = 4 << 20
+POOL_KEEP = 4  # idle fragment-sized work buffers kept for reuse (see coordinator.buffers)
 
 
 def return_large_buffers_to_os() -> None:
@@ -101,6 +103,7 @@ class Swarm:
         """`adopt_anchors`: the anchors are fresh tensors the swarm may keep (no copy of the model is made)."""
         self.identity, self.spec, self.plan, self.config = identity, spec, plan, config
         self.store = FragmentStore(anchors, identity.peer_id, adopt=adopt_anchors)
+        self.pool = BufferPool(max((f.numel for f in plan.fragments), default=0), keep=POOL_KEEP)
         for p, (label, cert) in enumerate(zip(labels or [], certs or [], strict=False)):
             self.store.held[p].label, self.store.held[p].cert = label, cert
         self.progress = Progress()
@@ -136,7 +139,8 @@ class Swarm:
             raise self._error
 
     def submit_delta(self, p: int, live_fragment: torch.Tensor, base: Version, steps: int, tokens: int) -> None:
-        """Hand a snapshot of θ[p] to the loop, which computes, compresses, signs and sends Δ_p. Never blocks."""
+        """Hand a snapshot of θ[p] to the loop, which computes, compresses, signs and sends Δ_p. Never blocks.
+        The snapshot is the loop's from now on (one taken from `self.pool` goes back there)."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
@@ -200,10 +204,10 @@ class Swarm:
         self.members = Membership(self.dht, self.spec, self._member_record, ttl_s=cfg.member_ttl_s,
                                   refresh_s=cfg.member_refresh_s, poll_s=cfg.member_poll_s)
         self.sync = FragmentSync(self.identity, self.spec, self.store, self.members, self.client, self.server,
-                                 self.codec)
+                                 self.codec, self.pool)
         if self.server is not None:
             self.shard = Shard(self.identity, self.spec, self.plan, self.store, self.members, self.client,
-                               self.server, self.sync, self.codec)
+                               self.server, self.sync, self.codec, self.pool)
             self.server.add_route("GET", ROUTE_STATUS, self._serve_status)
             self.server.add_route("GET", ROUTE_REACH, self._serve_reach)
             try:

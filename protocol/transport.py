@@ -247,13 +247,16 @@ class PeerClient:
         idempotent: bool = False,
         deadline_s: float | None = None,
         max_response: int | None = None,
+        min_deadline_s: float = 0.0,
     ) -> bytes | bytearray:
-        """One request with a deadline; retried with jittered backoff only if `idempotent`."""
+        """One request with a deadline (`deadline_s`, or the link's estimate but at least `min_deadline_s`);
+        retried with jittered backoff only if `idempotent`."""
         nbytes = len(body) if isinstance(body, bytes) else sum(len(p) for p in body)
         attempts = 1 + (self.retries if idempotent else 0)
         for attempt in range(attempts):
             try:
-                return await self._once(method, url, path, body, nbytes, deadline_s, max_response or self.max_response)
+                return await self._once(method, url, path, body, nbytes, deadline_s, max_response or self.max_response,
+                                        min_deadline_s)
             except TransportError as e:
                 if attempt + 1 >= attempts or not e.retryable:
                     raise
@@ -261,11 +264,12 @@ class PeerClient:
         raise AssertionError("unreachable")
 
     async def _once(
-        self, method: str, url: str, path: str, body, nbytes: int, deadline_s: float | None, max_response: int
+        self, method: str, url: str, path: str, body, nbytes: int, deadline_s: float | None, max_response: int,
+        min_deadline_s: float = 0.0,
     ) -> bytes | bytearray:
         link = self.link(url)
         path_label = route_label(path)
-        deadline = deadline_s if deadline_s is not None else link.deadline(nbytes)
+        deadline = deadline_s if deadline_s is not None else max(link.deadline(nbytes), min_deadline_s)
         data = body if isinstance(body, bytes) else _stream(body)
         headers = {"Content-Length": str(nbytes), "Content-Type": "application/octet-stream"}
         start = time.monotonic()

@@ -460,3 +460,18 @@ def test_hivemind_adapter_rejects_forged_codebook_size() -> None:
 def test_int4_codec_constructor_refuses_odd_block() -> None:
     with pytest.raises(ValueError):
         Int4Codec(block=33)
+
+
+def test_l2_norm_sums_in_float64_and_keeps_non_finite_values():
+    from diloco.protocol.codecs import l2_norm
+
+    g = torch.Generator().manual_seed(3)
+    for n in (0, 1, 7, 8, 9, 1001):
+        x = torch.randn(n, generator=g)
+        assert l2_norm(x) == pytest.approx(torch.linalg.vector_norm(x.double()).item(), rel=1e-12)
+    x = torch.randn(1000, generator=g)
+    for scale in (1e30, 1e-30):  # fp32 squares would overflow or underflow
+        assert l2_norm(x * scale) == pytest.approx(torch.linalg.vector_norm((x * scale).double()).item(), rel=1e-6)
+    assert math.isnan(l2_norm(torch.tensor([1.0, float("nan")])))
+    assert l2_norm(torch.tensor([1.0, float("-inf")])) == float("inf")
+    assert l2_norm(torch.tensor([3.0, 4.0], dtype=torch.float64)) == 5.0  # other dtypes: torch's fp64 norm

@@ -38,6 +38,29 @@ def test_outer_step_equals_torch_sgd_over_several_steps(lr, momentum, nesterov):
     assert torch.equal(buf, expected_buf)
 
 
+@pytest.mark.parametrize(
+    ("lr", "momentum", "nesterov"), [(0.7, 0.9, True), (0.3, 0.5, True), (1.0, 0.9, False), (0.5, 0.0, False)]
+)
+def test_the_owners_in_place_update_follows_torch_sgd(lr, momentum, nesterov):
+    g = torch.Generator().manual_seed(1)
+    theta0 = torch.randn(257, generator=g)
+    deltas = [torch.randn(257, generator=g) * 0.01 for _ in range(6)]
+    expected, expected_buf = torch_sgd_trajectory(theta0, deltas, lr, momentum, nesterov)
+    outer = OuterOptimizer(lr=lr, momentum=momentum, nesterov=nesterov)
+    theta, buf = theta0.clone(), None
+    for d, want in zip(deltas, expected, strict=True):
+        work = d.clone()
+        kept = buf
+        buf = outer.update_into(work, buf)  # work is now U = Θ' − Θ
+        assert kept is None or buf is kept, "the momentum is updated in place"
+        theta += work
+        assert torch.allclose(theta, want, rtol=0, atol=1e-6)  # U directly: rounding differs, not the step
+    if momentum:
+        assert torch.allclose(buf, expected_buf, rtol=0, atol=1e-7)
+    else:
+        assert buf is None and expected_buf is None
+
+
 def test_plain_sgd_without_momentum_is_theta_minus_lr_delta():
     outer = OuterOptimizer(lr=0.5, momentum=0.0, nesterov=False)
     theta, buf = outer.step(torch.ones(3), torch.tensor([1.0, 2.0, 4.0]))
