@@ -14,7 +14,7 @@
   (``numel`` float32, identical seed); a fifth peer (its DHT joined, its averager started, all ``peers``
   state declarations visible in its DHT) times ``load_state_from_peers()`` from call to return, then checks
   the 8 tensors are bit-identical to the source. hivemind's default ``state_compression`` is used (none:
-  fp32 on the wire). One measurement, no repeats.
+  fp32 on the wire). Median over ``repeats`` loads by that same peer (only the first of them fresh).
 * ``raw_transfer_s``: ``nbytes`` from a preallocated buffer through one loopback TCP socket with default
   socket options between two spawned processes (``sendall`` / ``recv_into`` a preallocated bytearray);
   timed in the receiver from ``accept()`` returning to the last byte received; median over ``repeats``.
@@ -257,16 +257,20 @@ def hivemind_allreduce_s(numel: int = 25_000_000, peers: int = 4, repeats: int =
     return _with_peers(["avg"] * peers, numel, peers, body)
 
 
-def hivemind_load_state_s(numel: int = 25_000_000, peers: int = 4) -> float:
-    """Time of load_state_from_peers() in a fresh fifth peer, from call to return (see module docstring)."""
+def hivemind_load_state_s(numel: int = 25_000_000, peers: int = 4, repeats: int = 1) -> float:
+    """Time of load_state_from_peers() in a fifth peer, from call to return (see module docstring); the
+    median of `repeats` loads by the same peer (fresh for the first only)."""
 
     def body(conns):
-        conns[-1].send(("load",))
-        _, dt, ok = _expect(conns[-1:], "done", 300)[0]
-        if not ok:
-            raise RuntimeError("loaded state is missing or differs from the source tensors")
-        log(f"hivemind: load_state_from_peers of {numel * 4 / 1e6:.0f} MB took {dt:.2f}s, verified")
-        return dt
+        times = []
+        for _ in range(repeats):
+            conns[-1].send(("load",))
+            _, dt, ok = _expect(conns[-1:], "done", 300)[0]
+            if not ok:
+                raise RuntimeError("loaded state is missing or differs from the source tensors")
+            log(f"hivemind: load_state_from_peers of {numel * 4 / 1e6:.0f} MB took {dt:.2f}s, verified")
+            times.append(dt)
+        return statistics.median(times)
 
     return _with_peers(["src"] * peers + ["dst"], numel, peers, body)
 

@@ -3,13 +3,16 @@
     python benchmarks/swarm.py [--quick] [--json]
 
 What each key measures (all on loopback, one torch thread per process):
-  round_s                 4 learner processes hold a 25M-float32 stand-in in 8 fragments (int8 codec); each hands
-                          every fragment's delta to its swarm at once; from the last learner's hand-over to the
+  round_s                 4 learner processes hold a 25M-float32 stand-in in 8 fragments (int8 codec, quorum 4);
+                          each perturbs its parameters as training would, then all are released together and hand
+                          every fragment's delta to their swarms at once; from the last learner's hand-over to the
                           last learner holding every new version (median over rounds)
   hivemind_allreduce_s    hivemind's DecentralizedAverager, same tensors, 4 processes, 8-bit codec
   join_s                  a fifth learner: Learner.start() + its first step(), i.e. first contact with a peer to
-                          its first inner step with the whole state synced (imports, model construction excluded)
-  hivemind_load_state_s   a fifth hivemind peer's load_state_from_peers() of the same tensors
+                          its first inner step with the whole state synced (imports, model and Learner
+                          construction excluded); median of 3 joiners, each a fresh process, one after the other
+  hivemind_load_state_s   a fifth hivemind peer's load_state_from_peers() of the same tensors; median of 3 loads
+                          by that peer (only the first of them fresh)
   raw_transfer_s          the same 100 MB over one plain loopback TCP socket between two processes
   overhead_ratio          tiny-GPT inner steps/s of 2 learners in a 2-learner swarm (default RunSpec) ÷ the
                           same loop without the swarm, 2 processes side by side
@@ -38,6 +41,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+JOINERS = 3  # join_s and hivemind_load_state_s are medians over this many joins
 
 
 def log(*a: object) -> None:
@@ -141,11 +145,14 @@ def stand_in_part(tmp: Path, rounds: int) -> dict:
             evs = _round_events(workers, "go")
             times.append(max(e["have"] for e in evs) - max(e["sent"] for e in evs))
             log(f"round {r}: {times[-1]:.3f}s, CPU seconds per learner {[round(e['cpu_s'], 2) for e in evs]}")
-        joiner = Worker([worker, "joiner", str(spec), url])
-        join = joiner.event()
-        joiner.proc.wait(60)
-        log(f"join: {join['join_s']:.3f}s, versions {join['versions']}")
-        return {"round_s": statistics.median(times), "join_s": join["join_s"],
+        joins = []
+        for _ in range(JOINERS):  # one after the other, each a fresh process
+            joiner = Worker([worker, "joiner", str(spec), url])
+            join = joiner.event()
+            joiner.proc.wait(60)
+            joins.append(join["join_s"])
+            log(f"join: {join['join_s']:.3f}s, versions {join['versions']}")
+        return {"round_s": statistics.median(times), "join_s": statistics.median(joins),
                 "extra_rss_bytes_per_param": (statistics.median(rss) - standalone_rss) / NUMEL,
                 "rss_growth_bytes_per_param": growth / NUMEL}
     finally:
@@ -211,7 +218,7 @@ def main() -> None:
         result.update(tiny_part(Path(tmp), steps=300 if args.quick else 600, bytes_steps=300 if args.quick else 800))
     result["raw_transfer_s"] = hm.raw_transfer_s(100_000_000, repeats=3)
     result["hivemind_allreduce_s"] = hm.hivemind_allreduce_s(25_000_000, 4, repeats=2 if args.quick else 3)
-    result["hivemind_load_state_s"] = hm.hivemind_load_state_s(25_000_000, 4)
+    result["hivemind_load_state_s"] = hm.hivemind_load_state_s(25_000_000, 4, repeats=JOINERS)
     r = result
     log(f"round_s {r['round_s']:.3f} vs hivemind all-reduce {r['hivemind_allreduce_s']:.3f} "
         f"(ratio {r['round_s'] / r['hivemind_allreduce_s']:.2f}, target <= 1)")

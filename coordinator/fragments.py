@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,10 +81,14 @@ class Changes:
 class FragmentStore:
     """Anchors by fragment index, with the moves the learner has not applied to θ yet (`take_changes`)."""
 
-    def __init__(self, anchors: list[Tensor], self_id: str = "", *, adopt: bool = False) -> None:
-        """`adopt`: the caller hands over its fp32 tensors (no copy); otherwise each anchor is cloned."""
+    def __init__(self, anchors: list[Tensor], self_id: str = "", *, adopt: bool = False,
+                 unset: Iterable[int] = ()) -> None:
+        """`adopt`: the caller hands over its fp32 tensors (no copy); otherwise each anchor is cloned.
+        `unset`: fragments whose anchor holds no values yet (a joiner that will download them: their memory is
+        not touched until then); no update applies to them until `install` or `fill` gives them values."""
         self.held = [Held(a if adopt and _plain_fp32(a) else a.detach().to(torch.float32).contiguous().clone())
                      for a in anchors]
+        self.unset = set(unset)
         self.self_id = self_id
         self.lock = threading.Lock()
         self.pending: dict[int, list[Move]] = {}  # p -> what θ[p] must move by at the next step boundary
@@ -125,6 +130,8 @@ class FragmentStore:
         """
         with self.lock:
             held = self.held[p]
+            if p in self.unset:
+                raise StaleVersion(f"fragment {p} has no values here yet; the update applies to {base}")
             if held.label != base:
                 raise StaleVersion(f"fragment {p} is at {held.label}, the update applies to {base}")
             if not new > base:
@@ -151,9 +158,11 @@ class FragmentStore:
             if p not in self.replaced:
                 self.pending.setdefault(p, []).extend(moves)
 
-    def install(self, p: int, anchor: Tensor, label: Version, cert: bytes, *, repair: bool = False) -> None:
+    def install(self, p: int, anchor: Tensor, label: Version, cert: bytes, *, repair: bool = False,
+                adopt: bool = False) -> None:
         """Replace the whole anchor (a joiner's download, or a learner that fell too far behind). `repair`
-        also replaces an anchor of the same label whose bytes differ from the certified ones."""
+        also replaces an anchor of the same label whose bytes differ from the certified ones. `adopt`: keep
+        `anchor` itself (a fresh tensor the caller hands over) instead of copying it."""
         with self.lock:
             held = self.held[p]
             same = repair and label == held.label and anchor_digest(held.anchor) != anchor_digest(anchor)
@@ -161,8 +170,12 @@ class FragmentStore:
                 raise StaleVersion(f"fragment {p} is already at {held.label}, not installing {label}")
             if anchor.numel() != held.anchor.numel():
                 raise ValueError(f"fragment {p} has {held.anchor.numel()} elements, got {anchor.numel()}")
-            held.anchor.copy_(anchor.reshape(-1))
+            if adopt and _plain_fp32(anchor) and anchor.dim() == 1:
+                held.anchor = anchor
+            else:
+                held.anchor.copy_(anchor.reshape(-1))
             held.label, held.cert = label, cert
+            self.unset.discard(p)
             self._accepted(p, label)
             held.updates.clear()
             self.pending.pop(p, None)
@@ -170,6 +183,16 @@ class FragmentStore:
             self.carried.pop(p, None)  # θ[p] is overwritten: that progress is gone
             self._settle(p)
             self.replaced.add(p)
+
+    def fill(self, p: int, values: Tensor) -> bool:
+        """Give an unset fragment its values (a joiner's own Θ^(0), for a fragment nobody has a version of);
+        False, changing nothing, if it has values already."""
+        with self.lock:
+            if p not in self.unset:
+                return False
+            self.held[p].anchor.copy_(values.reshape(-1))
+            self.unset.discard(p)
+            return True
 
     def updates_after(self, p: int, label: Version) -> list[bytes] | None:
         """The kept update frames that lead from `label` to the current version, or None if not all are kept."""
@@ -192,6 +215,13 @@ class FragmentStore:
                 return False
             torch.add(held.anchor, update.reshape(-1), out=out)
             return True
+
+    def snapshot_into(self, p: int, out: Tensor) -> tuple[Version, bytes]:
+        """Copy the anchor into `out` (a flat fp32 buffer of its size); returns its (label, cert)."""
+        with self.lock:
+            h = self.held[p]
+            out.copy_(h.anchor)
+            return h.label, h.cert
 
     def snapshot(self, p: int) -> tuple[Tensor, Version, bytes]:
         """A consistent copy of (anchor, label, cert)."""

@@ -38,11 +38,11 @@ from .wire import (
     ROUTE_UPDATES,
     UPDATE,
     DeltaFields,
+    FragmentReader,
     FragRecord,
     UpdateFields,
     frag_key,
     pack_fragment,
-    unpack_fragment,
 )
 
 log = logging.getLogger(__name__)
@@ -128,17 +128,18 @@ class FragmentSync:
     async def _serve_fragment(self, request: web.Request) -> web.StreamResponse:
         """GET /v1/fragment/{p}: the certified anchor. 404 while we hold only the genesis version."""
         p = self._fragment_index(request)
-        anchor, label, cert = self.store.snapshot(p)
-        if not cert:
-            return web.Response(status=404, text=f"fragment {p} is at genesis {label}; build it from the seed\n")
-        head, data = pack_fragment(cert, anchor.numpy().data.cast("B"))
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        resp.content_length = len(head) + len(data)
-        await resp.prepare(request)
-        await resp.write(head)
-        for i in range(0, len(data), 1 << 20):
-            await resp.write(data[i : i + (1 << 20)])
-        await resp.write_eof()
+        with self.pool.borrow(self.store.numel(p)) as anchor:
+            label, cert = self.store.snapshot_into(p, anchor)
+            if not cert:
+                return web.Response(status=404, text=f"fragment {p} is at genesis {label}; build it from the seed\n")
+            head, data = pack_fragment(cert, anchor.numpy().data.cast("B"))
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            resp.content_length = len(head) + len(data)
+            await resp.prepare(request)
+            await resp.write(head)
+            for i in range(0, len(data), 1 << 20):
+                await resp.write(data[i : i + (1 << 20)])
+            await resp.write_eof()
         return resp
 
     async def _serve_updates(self, request: web.Request) -> web.Response:
@@ -175,7 +176,8 @@ class FragmentSync:
         """Fetch the versions of p we miss from the first holder that has them: the kept updates when the gap is
         small (`target` within KEEP_UPDATES versions, or unknown), else the whole fragment."""
         holders = [s for s in dict.fromkeys([*sources, *self.members.roles(p)]) if s != self.members.peer_id]
-        small_gap = target is None or target.version - self.store.label(p).version <= KEEP_UPDATES
+        small_gap = p not in self.store.unset and (  # (updates need values to apply to)
+            target is None or target.version - self.store.label(p).version <= KEEP_UPDATES)
         for peer in holders:
             url = self.members.url(peer)
             if url is None:
@@ -213,25 +215,24 @@ class FragmentSync:
     async def fetch_fragment(self, p: int, url: str, repair: bool = False) -> bool:
         """Download Θ_p whole from `url`, check it against its certificate, install it if newer (or, with
         `repair`, if it is the same version with other bytes than ours)."""
+        reader = FragmentReader(self.store.numel(p))  # the download lands in a fresh tensor, hashed on arrival
         try:
-            body = await self.client.request("GET", url, f"/v1/fragment/{p}", idempotent=True,
-                                             max_response=self.store.numel(p) * 4 + 70_000)
+            await self.client.request("GET", url, f"/v1/fragment/{p}", idempotent=True,
+                                      max_response=self.store.numel(p) * 4 + 70_004, sink=reader)
         except RemoteError as e:
             if e.status == 404:
                 return False
             raise
-        cert_bytes, data = unpack_fragment(body)
-        f = UpdateFields.parse(self.verifier.certificate(cert_bytes).fields, self.P)
-        if f.p != p or len(data) != self.store.numel(p) * 4:
+        f = UpdateFields.parse(self.verifier.certificate(reader.cert).fields, self.P)
+        if f.p != p:
             raise Malformed(f"fragment download does not match fragment {p}")
-        anchor = torch.frombuffer(data, dtype=torch.float32)
         # SHA-256 releases the GIL: in a thread, downloads of several fragments hash in parallel, and the
-        # event loop keeps serving meanwhile
-        if await asyncio.to_thread(anchor_digest, anchor) != f.digest:
+        # event loop keeps receiving meanwhile
+        if await asyncio.to_thread(anchor_digest, reader.anchor) != f.digest:
             raise DigestMismatch(f"downloaded fragment {p} does not match its certificate")
         if f.new > self.store.label(p) or (repair and f.new == self.store.label(p)):
             with contextlib.suppress(StaleVersion):  # same version, same bytes: nothing to repair
-                self.store.install(p, anchor, f.new, cert_bytes, repair=repair)
+                self.store.install(p, reader.anchor, f.new, reader.cert, repair=repair, adopt=True)
                 self.stats["full_downloads"] += 1
         return True
 

@@ -12,6 +12,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from diloco.protocol import canonical
 from diloco.protocol.envelope import register_kind
 from diloco.protocol.errors import Malformed
@@ -144,14 +146,44 @@ def pack_fragment(cert: bytes, anchor_bytes: bytes | memoryview) -> list[bytes |
     return [struct.pack(">I", len(cert)) + cert, anchor_bytes]
 
 
-def unpack_fragment(body: bytes | bytearray | memoryview) -> tuple[bytes, memoryview]:
-    mv = memoryview(body)
-    if len(mv) < 4:
-        raise Malformed("fragment body shorter than its length prefix")
-    (n,) = struct.unpack(">I", mv[:4])
-    if n > 70_000 or len(mv) < 4 + n:
-        raise Malformed("fragment certificate length is wrong")
-    return bytes(mv[4 : 4 + n]), mv[4 + n :]
+class FragmentReader:
+    """Reads the body of GET /v1/fragment/{p} (see `pack_fragment`) as it arrives in pieces (a
+    `transport.BodySink`): the anchor bytes go straight into a fresh fp32 tensor (`anchor`), so a download is
+    never held twice; the certificate ends up in `cert`. Checking the anchor against it is the caller's."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+
+    def begin(self, content_length: int | None) -> None:
+        if content_length is not None and not 4 + self.numel * 4 <= content_length <= 4 + 70_000 + self.numel * 4:
+            raise Malformed(f"a fragment of {self.numel} elements cannot be {content_length} bytes long")
+        self.head = bytearray()
+        self.cert: bytes | None = None
+        self.anchor = torch.empty(self.numel, dtype=torch.float32)
+        self._bytes = memoryview(self.anchor.numpy()).cast("B")
+        self._pos = 0
+
+    def write(self, part: bytes) -> None:
+        view = memoryview(part)
+        if self.cert is None:
+            before = len(self.head)
+            self.head += view[: 4 + 70_000 - before]
+            if len(self.head) < 4:
+                return
+            (n,) = struct.unpack(">I", self.head[:4])
+            if n > 70_000:
+                raise Malformed("fragment certificate length is wrong")
+            if len(self.head) < 4 + n:
+                return
+            self.cert, view = bytes(self.head[4 : 4 + n]), view[4 + n - before :]
+        if self._pos + len(view) > len(self._bytes):
+            raise Malformed(f"fragment download holds more than its {self.numel} elements")
+        self._bytes[self._pos : self._pos + len(view)] = view
+        self._pos += len(view)
+
+    def end(self) -> None:
+        if self.cert is None or self._pos != len(self._bytes):
+            raise Malformed(f"fragment download ended before its {self.numel} elements")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.plan import FragmentPlan
 from diloco.coordinator.runspec import Genesis, RunSpec
 from diloco.coordinator.version import GENESIS, Version
+from diloco.protocol.codecs import load_kernels
 from diloco.protocol.identity import Identity
 
 from .checkpoint import capture, load_latest, restore, save_checkpoint
@@ -85,6 +86,7 @@ class Learner:
         sync_timeout_s: float = 300.0,
     ) -> None:
         self.spec = run.spec if isinstance(run, Genesis) else run
+        load_kernels()  # before any peer is contacted: a first decode must not stall the network loop
         self.model, self.optimizer = model, optimizer
         self.identity = identity or Identity.generate()
         self.config = config or SwarmConfig()
@@ -127,28 +129,38 @@ class Learner:
             self._restored = dict(ckpt.counters)
             self.tokens = int(self._restored.get("tokens", 0))
             log.info("resumed from checkpoint at step %d", self.t)
-        else:
+        unset: list[int] = []
+        if fresh and self.config.peers:  # joining: the fragments are downloaded into untouched memory; those
+            # nobody has a version of yet get our Θ^(0) once synced (`_fill_unset`)
+            anchors = [torch.empty(f.numel, dtype=torch.float32) for f in self.plan.fragments]
+            unset = list(range(self.spec.fragments))
+        elif fresh:  # opening a swarm: from our Θ^(0)
             anchors = [self.plan.flatten(p, self.params) for p in range(self.spec.fragments)]
-            if self.spec.genesis_digest and not self.config.peers:  # opening a swarm: from our Θ^(0)
+            if self.spec.genesis_digest:
                 self._check_genesis(anchors)
         self.swarm = Swarm(self.identity, self.spec, self.plan, anchors, self.config, labels, certs,
-                           adopt_anchors=True)
+                           adopt_anchors=True, unset=unset)
         self.swarm.store.merged_steps = int(self._restored.get("merged_steps", 0))
         self.swarm.store.merged_tokens = int(self._restored.get("merged_tokens", 0))
-        if fresh and self.spec.genesis_digest and self.config.peers:
-            self.swarm.after_sync = self._check_genesis_if_used
+        if unset:
+            self.swarm.after_sync = self._fill_unset
         self.swarm.start()
         if self.spec.synchronous:
             self._rendezvous()
         self._apply_new_versions()
         return self
 
-    def _check_genesis_if_used(self) -> None:
-        """Joining: only fragments nobody has a version of yet keep our initial values, so only then must
-        they be the run's (a model whose every fragment is downloaded may start from anything). The model
-        still holds them here: versions reach it after `start`."""
-        if GENESIS in self.swarm.store.labels():
+    def _fill_unset(self) -> None:
+        """Joining, once synced: fragments nobody has a version of yet start from our initial values, so only
+        then must those be the run's (a model whose every fragment is downloaded may start from anything).
+        The model still holds them here: versions reach it after `start`."""
+        store = self.swarm.store
+        if not store.unset:
+            return
+        if self.spec.genesis_digest:
             self._check_genesis([self.plan.flatten(p, self.params) for p in range(self.spec.fragments)])
+        for p in sorted(store.unset):
+            store.fill(p, self.plan.flatten(p, self.params))
 
     def _check_genesis(self, anchors: list[torch.Tensor]) -> None:
         if _digest_of(anchors) != self.spec.genesis_digest:

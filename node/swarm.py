@@ -99,10 +99,11 @@ class Progress:
 class Swarm:
     def __init__(self, identity: Identity, spec: RunSpec, plan: FragmentPlan, anchors: list[torch.Tensor],
                  config: SwarmConfig, labels: list[Version] | None = None, certs: list[bytes] | None = None,
-                 *, adopt_anchors: bool = False) -> None:
-        """`adopt_anchors`: the anchors are fresh tensors the swarm may keep (no copy of the model is made)."""
+                 *, adopt_anchors: bool = False, unset: list[int] | None = None) -> None:
+        """`adopt_anchors`: the anchors are fresh tensors the swarm may keep (no copy of the model is made).
+        `unset`: anchors with no values yet (see `FragmentStore`); `after_sync` must fill those still unset."""
         self.identity, self.spec, self.plan, self.config = identity, spec, plan, config
-        self.store = FragmentStore(anchors, identity.peer_id, adopt=adopt_anchors)
+        self.store = FragmentStore(anchors, identity.peer_id, adopt=adopt_anchors, unset=unset or ())
         self.pool = BufferPool(max((f.numel for f in plan.fragments), default=0), keep=POOL_KEEP)
         for p, (label, cert) in enumerate(zip(labels or [], certs or [], strict=False)):
             self.store.held[p].label, self.store.held[p].cert = label, cert
@@ -174,6 +175,8 @@ class Swarm:
             await self._join()
             if self.after_sync is not None:
                 self.after_sync()
+            if self.store.unset:
+                raise JoinError(f"fragments {sorted(self.store.unset)} were neither downloaded nor filled in")
             self.progress.synced = True
             self._spawn(self.members.publish())  # now a candidate owner: say so at once, without waiting
             self.members.changed()

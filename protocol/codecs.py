@@ -14,7 +14,6 @@ Codecs: `fp32` (identity), `fp16`, `bf16`, `int8` (blockwise absmax, linear) and
 from __future__ import annotations
 
 import math
-
 import sys
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
@@ -139,6 +138,16 @@ def l2_norm(x: torch.Tensor) -> float:
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return torch.linalg.vector_norm(x, dtype=torch.float64).item()
     return math.sqrt(K.sum_squares(x.detach().contiguous().numpy())) if x.numel() else 0.0
+
+
+def load_kernels() -> None:
+    """Load every kernel now. numba starts its runtime on the first call of any kernel (~0.4 s, holding the
+    GIL), so a long-lived peer calls this at start-up rather than stall its network loop at the first
+    decode. Idempotent, and a few milliseconds once loaded."""
+    for name in ("fp32", "fp16", "bf16", "int8", "int4"):
+        codec = _REGISTRY[name]
+        codec.decode(*codec.encode(torch.zeros(2)))
+    l2_norm(torch.zeros(1))
 
 
 def check_meta(meta: Any, name: str, max_elements: int) -> tuple[list[int], int]:

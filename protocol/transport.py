@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -185,6 +186,18 @@ class PeerServer:
             self._runner = None
 
 
+class BodySink(Protocol):
+    """Where a large answer goes instead of one bytes buffer (e.g. straight into a tensor). `begin` starts
+    (again, on a retry) with the announced length, `write` takes each piece as it arrives, `end` checks that
+    the whole answer came; each raises a `ProtocolError` to refuse the answer."""
+
+    def begin(self, content_length: int | None) -> None: ...
+
+    def write(self, part: bytes) -> None: ...
+
+    def end(self) -> None: ...
+
+
 class PeerClient:
     """Pooled HTTP client with adaptive per-link deadlines, size limits and safe retries."""
 
@@ -248,15 +261,17 @@ class PeerClient:
         deadline_s: float | None = None,
         max_response: int | None = None,
         min_deadline_s: float = 0.0,
+        sink: BodySink | None = None,
     ) -> bytes | bytearray:
         """One request with a deadline (`deadline_s`, or the link's estimate but at least `min_deadline_s`);
-        retried with jittered backoff only if `idempotent`."""
+        retried with jittered backoff only if `idempotent`. With a `sink`, a successful answer's body goes
+        there as it arrives, and the return value is empty."""
         nbytes = len(body) if isinstance(body, bytes) else sum(len(p) for p in body)
         attempts = 1 + (self.retries if idempotent else 0)
         for attempt in range(attempts):
             try:
                 return await self._once(method, url, path, body, nbytes, deadline_s, max_response or self.max_response,
-                                        min_deadline_s)
+                                        min_deadline_s, sink)
             except TransportError as e:
                 if attempt + 1 >= attempts or not e.retryable:
                     raise
@@ -265,7 +280,7 @@ class PeerClient:
 
     async def _once(
         self, method: str, url: str, path: str, body, nbytes: int, deadline_s: float | None, max_response: int,
-        min_deadline_s: float = 0.0,
+        min_deadline_s: float = 0.0, sink: BodySink | None = None,
     ) -> bytes | bytearray:
         link = self.link(url)
         path_label = route_label(path)
@@ -279,8 +294,12 @@ class PeerClient:
                 async with self.session.request(method, url + path, data=data, headers=headers) as resp:
                     if resp.content_length is not None and resp.content_length > max_response:
                         raise ResponseTooLarge(f"{url}{path} answered {resp.content_length} bytes (limit {max_response})")
-                    out = await _read_body(resp, max_response, f"{url}{path}")
-                    received = len(out)
+                    if sink is not None and resp.status < 400:
+                        received = await _read_into(resp, sink, max_response, f"{url}{path}")
+                        out = bytearray()
+                    else:
+                        out = await _read_body(resp, max_response, f"{url}{path}")
+                        received = len(out)
                     if resp.status >= 400:
                         raise RemoteError(resp.status, bytes(out[:500]).decode("utf-8", "replace").strip(), url)
         except TimeoutError:
@@ -297,7 +316,7 @@ class PeerClient:
                 raise
             self.counters.record("sent", path_label, received, nbytes, False)
             raise PeerUnreachable(f"{url}{path}: {e}") from None
-        except TransportError:
+        except (TransportError, ProtocolError):  # (a sink refusing the answer raises a ProtocolError)
             self.counters.record("sent", path_label, received, nbytes, False)
             raise
         link.observe(time.monotonic() - start, nbytes + received)
@@ -330,6 +349,23 @@ async def _read_body(resp: aiohttp.ClientResponse, limit: int, where: str) -> by
         if len(out) > limit:
             raise ResponseTooLarge(f"{where} answered more than {limit} bytes")
     return out
+
+
+async def _read_into(resp: aiohttp.ClientResponse, sink: BodySink, limit: int, where: str) -> int:
+    """Feed a response body to `sink` piece by piece, as the socket delivers it; returns the bytes read."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise ResponseTooLarge(f"{where} answered {resp.content_length} bytes (limit {limit})")
+    sink.begin(resp.content_length)
+    received = 0
+    async for part in resp.content.iter_any():
+        received += len(part)
+        if received > limit:
+            raise ResponseTooLarge(f"{where} answered more than {limit} bytes")
+        sink.write(part)
+    if resp.content_length is not None and received != resp.content_length:
+        raise PeerUnreachable(f"{where} closed the connection after {received} of {resp.content_length} bytes")
+    sink.end()
+    return received
 
 
 async def _stream(parts: list[bytes | bytearray | memoryview]) -> AsyncIterator[bytes]:

@@ -122,3 +122,61 @@ def test_a_fragment_in_flight_settles_when_merged_refused_or_overwritten():
     s.install(2, torch.zeros(6), V2, b"cert")
     assert s.wait_settled(range(3), timeout=0.01)
     assert s.take_accepted() == [(0, V1.term, V1.version), (2, V2.term, V2.version)] and s.take_accepted() == []
+
+
+def _fragment_body(cert: bytes, values: torch.Tensor) -> bytes:
+    from diloco.coordinator.wire import pack_fragment
+
+    head, data = pack_fragment(cert, values.numpy().data.cast("B"))
+    return bytes(head) + bytes(data)
+
+
+@pytest.mark.parametrize("piece", [1, 3, 5, 7, 4096])
+def test_a_fragment_download_read_in_pieces_of_any_size_lands_in_one_tensor(piece):
+    from diloco.coordinator.wire import FragmentReader
+
+    values = torch.arange(300, dtype=torch.float32)
+    body = _fragment_body(b"c" * 37, values)
+    reader = FragmentReader(300)
+    reader.begin(len(body))
+    for i in range(0, len(body), piece):
+        reader.write(body[i : i + piece])
+    reader.end()
+    assert reader.cert == b"c" * 37 and torch.equal(reader.anchor, values)
+    assert anchor_digest(reader.anchor) == anchor_digest(values)
+
+
+def test_a_fragment_download_of_the_wrong_size_or_shape_is_refused():
+    from diloco.coordinator.wire import FragmentReader
+    from diloco.protocol.errors import Malformed
+
+    body = _fragment_body(b"cert", torch.ones(10))
+    reader = FragmentReader(10)
+    with pytest.raises(Malformed):
+        reader.begin(len(body) + 70_001)  # more than any certificate explains
+    reader.begin(None)  # length unknown: checked as it arrives
+    with pytest.raises(Malformed):
+        reader.write(body + b"\0\0\0\0")  # one element too many
+    reader.begin(None)
+    reader.write(body[:-4])
+    with pytest.raises(Malformed):
+        reader.end()  # one element short
+    reader.begin(None)
+    with pytest.raises(Malformed):
+        reader.write(b"\xff\xff\xff\xff")  # a certificate length no certificate has
+    reader.begin(None)
+    reader.write(body[:6])
+    with pytest.raises(Malformed):
+        reader.end()  # ended inside the certificate
+
+
+def test_an_unset_fragment_takes_no_update_until_filled_or_installed():
+    store = FragmentStore([torch.empty(4), torch.empty(4)], unset=[0, 1])
+    with pytest.raises(StaleVersion):
+        store.advance(0, GENESIS, Version(1, 1), torch.ones(4), b"f", b"c")
+    assert store.fill(0, torch.full((4,), 2.0)) and not store.fill(0, torch.zeros(4))
+    store.advance(0, GENESIS, Version(1, 1), torch.ones(4), b"f", b"c")
+    assert torch.equal(store.held[0].anchor, torch.full((4,), 3.0))
+    fresh = torch.full((4,), 7.0)
+    store.install(1, fresh, Version(1, 5), b"c", adopt=True)
+    assert store.held[1].anchor is fresh and not store.unset
