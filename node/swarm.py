@@ -40,6 +40,7 @@ ROUTE_REACH = "/v1/reach"
 
 
 LARGE_BUFFER_BYTES = 4 << 20
+TRIM_EVERY_S = 20.0
 POOL_KEEP = 4  # idle fragment-sized work buffers kept for reuse (see coordinator.buffers)
 
 
@@ -52,14 +53,34 @@ def return_large_buffers_to_os() -> None:
     the threshold once fixes it (and stops the dynamic adjustment). Small allocations are unaffected; no-op
     off glibc.
     """
+    libc = _glibc()
+    if libc is not None:
+        with contextlib.suppress(AttributeError):
+            libc.mallopt(-3, LARGE_BUFFER_BYTES)  # M_MMAP_THRESHOLD
+
+
+def trim_heap() -> None:
+    """glibc: give the free pages inside the heap arenas back to the OS (`malloc_trim(0)`). Payload-sized
+    buffers (a few MiB, below the mmap threshold) are allocated and freed on several threads; without this
+    the arenas' free pages stay resident, and a learner's RSS creeps up over a long run. No-op off glibc."""
+    libc = _glibc()
+    if libc is not None:
+        with contextlib.suppress(AttributeError):
+            libc.malloc_trim(0)
+
+
+def _glibc():
+    """The C library if it is glibc (whose allocator these two tune), else None."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     if name is None or "libc.so" not in name:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(name).mallopt(-3, LARGE_BUFFER_BYTES)  # M_MMAP_THRESHOLD
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
 
 
 class JoinError(Exception):
@@ -181,7 +202,8 @@ class Swarm:
             self._spawn(self.members.publish())  # now a candidate owner: say so at once, without waiting
             self.members.changed()
             self._ready.set()
-            for coro in (self.members.run(), self._watch(), *([self.shard.run()] if self.shard else [])):
+            for coro in (self.members.run(), self._watch(), self._trim(),
+                         *([self.shard.run()] if self.shard else [])):
                 self._spawn(coro)
             await self._stopping.wait()
         finally:
@@ -281,6 +303,12 @@ class Swarm:
                 for p, found in enumerate(newest):
                     if found is not None and found[0] > self.store.label(p):
                         self.sync.catch_up(p, [found[1], *self.members.roles(p)])
+
+    async def _trim(self) -> None:
+        """Return freed heap pages to the OS now and then (see `trim_heap`)."""
+        while True:
+            await asyncio.sleep(TRIM_EVERY_S)
+            await asyncio.to_thread(trim_heap)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
