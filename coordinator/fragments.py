@@ -89,6 +89,7 @@ class FragmentStore:
         self.held = [Held(a if adopt and _plain_fp32(a) else a.detach().to(torch.float32).contiguous().clone())
                      for a in anchors]
         self.unset = set(unset)
+        self.downloading: set[int] = set()  # unset fragments being downloaded straight into their anchor
         self.self_id = self_id
         self.lock = threading.Lock()
         self.pending: dict[int, list[Move]] = {}  # p -> what θ[p] must move by at the next step boundary
@@ -184,11 +185,25 @@ class FragmentStore:
             self._settle(p)
             self.replaced.add(p)
 
+    def begin_download(self, p: int) -> Tensor | None:
+        """The memory to download fragment p into: its own anchor while p is unset (nothing reads it then;
+        `install` of that very tensor then copies nothing), once at a time; otherwise None (use a new tensor).
+        Pair with `end_download`."""
+        with self.lock:
+            if p not in self.unset or p in self.downloading:
+                return None
+            self.downloading.add(p)
+            return self.held[p].anchor
+
+    def end_download(self, p: int) -> None:
+        with self.lock:
+            self.downloading.discard(p)
+
     def fill(self, p: int, values: Tensor) -> bool:
         """Give an unset fragment its values (a joiner's own Θ^(0), for a fragment nobody has a version of);
-        False, changing nothing, if it has values already."""
+        False, changing nothing, if it has values already or is being downloaded."""
         with self.lock:
-            if p not in self.unset:
+            if p not in self.unset or p in self.downloading:
                 return False
             self.held[p].anchor.copy_(values.reshape(-1))
             self.unset.discard(p)
@@ -248,7 +263,7 @@ class FragmentStore:
         """Δ_p = Θ_p − θ[p], written into `live` (the learner's snapshot of θ[p]); None if Θ_p has moved off
         `base` since the snapshot was taken."""
         with self.lock:
-            if self.held[p].label != base:
+            if self.held[p].label != base or p in self.unset:
                 return None
             return torch.sub(self.held[p].anchor, live, out=live)
 

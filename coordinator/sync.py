@@ -174,21 +174,26 @@ class FragmentSync:
 
     async def _catch_up(self, p: int, sources: list[str], target: Version | None = None) -> bool:
         """Fetch the versions of p we miss from the first holder that has them: the kept updates when the gap is
-        small (`target` within KEEP_UPDATES versions, or unknown), else the whole fragment."""
+        small (`target` within KEEP_UPDATES versions, or unknown), else the whole fragment. With a `target`, a
+        holder that is itself behind it is passed over for the next."""
         holders = [s for s in dict.fromkeys([*sources, *self.members.roles(p)]) if s != self.members.peer_id]
-        small_gap = p not in self.store.unset and (  # (updates need values to apply to)
-            target is None or target.version - self.store.label(p).version <= KEEP_UPDATES)
+
+        def reached() -> bool:
+            return target is None or not target > self.store.label(p)
+
         for peer in holders:
             url = self.members.url(peer)
             if url is None:
                 continue
+            small_gap = p not in self.store.unset and (  # (updates need values to apply to)
+                target is None or target.version - self.store.label(p).version <= KEEP_UPDATES)
             try:
                 try:
-                    if small_gap and await self._fetch_updates(p, url):
+                    if small_gap and await self._fetch_updates(p, url) and reached():
                         return True
                 except DigestMismatch:
                     self.stats["diverged_repairs"] += 1  # our copy is not the owner's: take it whole
-                if await self.fetch_fragment(p, url, repair=True):
+                if await self.fetch_fragment(p, url, repair=True) and reached():
                     return True
             except (TransportError, ProtocolError) as e:
                 log.info("catching up fragment %d from %s failed: %s", p, peer[:8], e)
@@ -199,7 +204,8 @@ class FragmentSync:
     async def _fetch_updates(self, p: int, url: str) -> bool:
         at = self.store.label(p)
         try:
-            body = await self.client.request("GET", url, f"/v1/updates/{p}?after={at}", idempotent=True)
+            body = await self.client.request("GET", url, f"/v1/updates/{p}?after={at}", idempotent=True,
+                                             retries=0)  # (the next holder is the retry)
         except RemoteError as e:
             if e.status == 404:
                 return False
@@ -215,14 +221,21 @@ class FragmentSync:
     async def fetch_fragment(self, p: int, url: str, repair: bool = False) -> bool:
         """Download Θ_p whole from `url`, check it against its certificate, install it if newer (or, with
         `repair`, if it is the same version with other bytes than ours)."""
-        reader = FragmentReader(self.store.numel(p))  # the download lands in a fresh tensor, hashed on arrival
+        # the download lands in the fragment's own anchor while that holds no values yet, else in a new tensor
+        reader = FragmentReader(self.store.numel(p), into=self.store.begin_download(p))
         try:
-            await self.client.request("GET", url, f"/v1/fragment/{p}", idempotent=True,
+            await self.client.request("GET", url, f"/v1/fragment/{p}", idempotent=True, retries=0,
                                       max_response=self.store.numel(p) * 4 + 70_004, sink=reader)
+            return await self._check_and_install(p, reader, repair)
         except RemoteError as e:
             if e.status == 404:
                 return False
             raise
+        finally:
+            if reader.into is not None:
+                self.store.end_download(p)
+
+    async def _check_and_install(self, p: int, reader: FragmentReader, repair: bool) -> bool:
         f = UpdateFields.parse(self.verifier.certificate(reader.cert).fields, self.P)
         if f.p != p:
             raise Malformed(f"fragment download does not match fragment {p}")
@@ -236,35 +249,38 @@ class FragmentSync:
                 self.stats["full_downloads"] += 1
         return True
 
-    async def newest_versions(self) -> list[tuple[Version, str] | None]:
-        """Per fragment, the newest version announced in the DHT and the peer that announced it (its owner
-        then), or None. That peer holds the version, so it is the first to ask for it."""
-        async def one(p: int) -> tuple[Version, str] | None:
-            raw = await self.members.dht.get(frag_key(self.spec.run_id, p), latest=True)
-            found = []
-            for peer, (value, _) in (raw.items() if isinstance(raw, dict) else []):
-                try:
-                    found.append((FragRecord.decode(value).version, peer))
-                except ProtocolError:
-                    continue
-            return max(found, default=None)
+    async def newest_version(self, p: int) -> tuple[Version, str] | None:
+        """The newest version of fragment p announced in the DHT and the peer that announced it (its owner
+        then), or None. That peer holds the version."""
+        raw = await self.members.dht.get(frag_key(self.spec.run_id, p), latest=True)
+        found = []
+        for peer, (value, _) in (raw.items() if isinstance(raw, dict) else []):
+            try:
+                found.append((FragRecord.decode(value).version, peer))
+            except ProtocolError:
+                continue
+        return max(found, default=None)
 
-        return list(await asyncio.gather(*(one(p) for p in range(self.P))))
+    async def newest_versions(self) -> list[tuple[Version, str] | None]:
+        """`newest_version` of every fragment."""
+        return list(await asyncio.gather(*(self.newest_version(p) for p in range(self.P))))
 
     async def sync_all(self) -> list[int]:
-        """Bring every fragment to the newest announced version, downloading them in parallel from different
-        holders. Returns the fragments still behind (empty when fully synced)."""
-        newest = await self.newest_versions()
-        behind = [p for p, v in enumerate(newest) if v is not None and v[0] > self.store.label(p)]
+        """Bring every fragment to the newest announced version, downloading them in parallel, each from
+        another holder (the load spread evenly; the announcing owner is the last resort), each as soon as its
+        version is known. Returns the fragments still behind (empty when fully synced)."""
         live = [m.peer_id for m in self.members.live() if m.peer_id != self.members.peer_id and not m.client_mode]
         random.shuffle(live)
 
-        async def one(i: int, p: int) -> None:
-            order = [*live[i % max(len(live), 1):], *live[: i % max(len(live), 1)]]
-            await self._catch_up(p, [newest[p][1], *order], newest[p][0])
+        async def one(p: int) -> bool:
+            newest = await self.newest_version(p)
+            if newest is None or not newest[0] > self.store.label(p):
+                return True
+            k = p % max(len(live), 1)
+            return await self._catch_up(p, [*live[k:], *live[:k], newest[1]], newest[0])
 
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(behind)))
-        return [p for p, v in enumerate(newest) if v is not None and v[0] > self.store.label(p)]
+        done = await asyncio.gather(*(one(p) for p in range(self.P)))
+        return [p for p, ok in enumerate(done) if not ok]
 
     # -- sending --------------------------------------------------------------------------------------------
 

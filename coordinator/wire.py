@@ -148,18 +148,20 @@ def pack_fragment(cert: bytes, anchor_bytes: bytes | memoryview) -> list[bytes |
 
 class FragmentReader:
     """Reads the body of GET /v1/fragment/{p} (see `pack_fragment`) as it arrives in pieces (a
-    `transport.BodySink`): the anchor bytes go straight into a fresh fp32 tensor (`anchor`), so a download is
-    never held twice; the certificate ends up in `cert`. Checking the anchor against it is the caller's."""
+    `transport.BodySink`): the anchor bytes go straight into an fp32 tensor (`anchor`: a fresh one, or the one
+    given), so a download is never held twice; the certificate ends up in `cert`. Checking the anchor against
+    it is the caller's."""
 
-    def __init__(self, numel: int) -> None:
-        self.numel = numel
+    def __init__(self, numel: int, into: torch.Tensor | None = None) -> None:
+        """`into`: a flat fp32 tensor of `numel` elements to write the anchor into (default: a new one)."""
+        self.numel, self.into = numel, into
 
     def begin(self, content_length: int | None) -> None:
         if content_length is not None and not 4 + self.numel * 4 <= content_length <= 4 + 70_000 + self.numel * 4:
             raise Malformed(f"a fragment of {self.numel} elements cannot be {content_length} bytes long")
         self.head = bytearray()
         self.cert: bytes | None = None
-        self.anchor = torch.empty(self.numel, dtype=torch.float32)
+        self.anchor = torch.empty(self.numel, dtype=torch.float32) if self.into is None else self.into
         self._bytes = memoryview(self.anchor.numpy()).cast("B")
         self._pos = 0
 

@@ -108,6 +108,9 @@ class Learner:
         self.checkpoint_every = checkpoint_every
         self.sync_timeout_s = sync_timeout_s  # synchronous runs only: the longest wait for a merge
         self._restored: dict = {}  # counters from the checkpoint we resumed from
+        # The anchors' memory, allocated and paged in with the learner (like the model and its optimizer):
+        # joining then only writes into it.
+        self._anchor_memory = [torch.zeros(f.numel, dtype=torch.float32) for f in self.plan.fragments]
         self._saving: threading.Thread | None = None
         self._last_step_at: float | None = None
         self.swarm: Swarm | None = None
@@ -130,14 +133,15 @@ class Learner:
             self.tokens = int(self._restored.get("tokens", 0))
             log.info("resumed from checkpoint at step %d", self.t)
         unset: list[int] = []
-        if fresh and self.config.peers:  # joining: the fragments are downloaded into untouched memory; those
-            # nobody has a version of yet get our Θ^(0) once synced (`_fill_unset`)
-            anchors = [torch.empty(f.numel, dtype=torch.float32) for f in self.plan.fragments]
+        if fresh and self.config.peers:  # joining: the fragments are downloaded straight into the anchors;
+            # those nobody has a version of yet get our Θ^(0) once synced (`_fill_unset`)
+            anchors = self._anchor_memory
             unset = list(range(self.spec.fragments))
         elif fresh:  # opening a swarm: from our Θ^(0)
-            anchors = [self.plan.flatten(p, self.params) for p in range(self.spec.fragments)]
+            anchors = [self.plan.flatten(p, self.params, out=a) for p, a in enumerate(self._anchor_memory)]
             if self.spec.genesis_digest:
                 self._check_genesis(anchors)
+        self._anchor_memory = []  # the store's from now on (a resumed learner uses its checkpoint's instead)
         self.swarm = Swarm(self.identity, self.spec, self.plan, anchors, self.config, labels, certs,
                            adopt_anchors=True, unset=unset)
         self.swarm.store.merged_steps = int(self._restored.get("merged_steps", 0))

@@ -196,7 +196,7 @@ class Swarm:
             await self._join()
             if self.after_sync is not None:
                 self.after_sync()
-            if self.store.unset:
+            if self.store.unset - self.store.downloading:
                 raise JoinError(f"fragments {sorted(self.store.unset)} were neither downloaded nor filled in")
             self.progress.synced = True
             self._spawn(self.members.publish())  # now a candidate owner: say so at once, without waiting

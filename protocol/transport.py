@@ -262,12 +262,14 @@ class PeerClient:
         max_response: int | None = None,
         min_deadline_s: float = 0.0,
         sink: BodySink | None = None,
+        retries: int | None = None,
     ) -> bytes | bytearray:
         """One request with a deadline (`deadline_s`, or the link's estimate but at least `min_deadline_s`);
-        retried with jittered backoff only if `idempotent`. With a `sink`, a successful answer's body goes
+        retried with jittered backoff only if `idempotent`, at most `retries` times (default: the client's;
+        0 where the caller has other peers to ask instead). With a `sink`, a successful answer's body goes
         there as it arrives, and the return value is empty."""
         nbytes = len(body) if isinstance(body, bytes) else sum(len(p) for p in body)
-        attempts = 1 + (self.retries if idempotent else 0)
+        attempts = 1 + ((self.retries if retries is None else retries) if idempotent else 0)
         for attempt in range(attempts):
             try:
                 return await self._once(method, url, path, body, nbytes, deadline_s, max_response or self.max_response,

@@ -180,3 +180,18 @@ def test_an_unset_fragment_takes_no_update_until_filled_or_installed():
     fresh = torch.full((4,), 7.0)
     store.install(1, fresh, Version(1, 5), b"c", adopt=True)
     assert store.held[1].anchor is fresh and not store.unset
+
+
+def test_an_unset_fragment_is_downloaded_into_its_own_anchor_once_at_a_time():
+    store = FragmentStore([torch.empty(4), torch.zeros(4)], unset=[0])
+    target = store.begin_download(0)
+    assert target is store.held[0].anchor
+    assert store.begin_download(0) is None, "a second download of it goes to a tensor of its own"
+    assert store.begin_download(1) is None, "a fragment with values is never written in place"
+    assert not store.fill(0, torch.zeros(4)), "never filled under a download"
+    assert store.delta(0, GENESIS, torch.zeros(4)) is None, "no delta against an anchor without values"
+    target.copy_(torch.arange(4.0))
+    store.install(0, target, Version(2, 3), b"cert", adopt=True)
+    store.end_download(0)
+    assert store.held[0].anchor is target and torch.equal(target, torch.arange(4.0)) and not store.unset
+    assert store.label(0) == Version(2, 3) and not store.downloading

@@ -163,6 +163,9 @@ async def test_only_idempotent_requests_are_retried():
             with pytest.raises(RemoteError):
                 await client.request("POST", srv.url, "/v1/flaky", idempotent=True)
             assert len(hits) == 4
+            with pytest.raises(RemoteError):  # a caller with other peers to ask turns retries off
+                await client.request("POST", srv.url, "/v1/flaky", idempotent=True, retries=0)
+            assert len(hits) == 5
     finally:
         await srv.stop()
 
