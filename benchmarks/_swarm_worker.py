@@ -3,8 +3,9 @@
     python benchmarks/_swarm_worker.py ROLE SPEC_PATH [PEER_URL]
 
 ROLE is `tiny` (the built-in tiny GPT trained standalone for `SPEC_PATH` steps, no swarm: the speed baseline
-of `overhead_ratio`), `learner` (joins, then on each line "go" read from stdin perturbs its parameters as training would,
-hands every fragment's delta to the swarm at once and reports when it holds every new version), `joiner`
+of `overhead_ratio`), `learner` (joins, then reads commands from stdin: "prepare" perturbs its parameters as
+training would; "go" hands every fragment's delta to the swarm at once, "stagger" one after the other as the
+schedule does, and both report when it holds every new version), `joiner`
 (times `Learner.start()` plus its first `step()`: first contact to first inner step) or `standalone` (the same
 model and optimizer, no swarm: the RSS baseline). Every report is one JSON line on stdout.
 """

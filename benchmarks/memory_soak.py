@@ -5,11 +5,14 @@
 Four learner processes hold the 25M-parameter stand-in of `benchmarks/swarm.py` (8 fragments, int8, quorum 4)
 and run rounds back to back for `--minutes`: each round every learner perturbs its parameters as training
 would, then sends its fragments one after the other as the schedule does. Each learner reports its current
-RSS (/proc/self/statm) after every round. Growth is measured from the end of the first minute (allocator
-and caches warm) to the end, per learner; the RSS of the same process holding the model and AdamW without
-the swarm is the baseline of the extra bytes. The last line of stdout is one JSON object:
-{"minutes", "rounds", "baseline_rss_mib", "rss_mib_after_1min", "rss_mib_at_end", "peak_extra_bytes_per_param",
- "growth_bytes_per_param" (the median learner), "max_growth_bytes_per_param"}.
+RSS (/proc/self/statm) after every round; a round's transient buffers move a single reading by ±20 MiB, so
+each figure is the median of the readings in a one-minute window. The first two minutes are warm-up (the
+work-buffer pool fills, the allocator settles): `warmup_bytes_per_param` is minute 1 → minute 3, and
+`growth_bytes_per_param` minute 2–3 → the last minute, per learner (median learner; `max_growth_...` the
+worst). The RSS of the same process holding the model and AdamW without the swarm is the baseline of the
+extra bytes. The last line of stdout is one JSON object: {"minutes", "rounds", "baseline_rss_mib",
+"rss_mib_minute_3", "rss_mib_last_minute", "peak_extra_bytes_per_param", "warmup_bytes_per_param",
+"growth_bytes_per_param", "max_growth_bytes_per_param"}.
 """
 
 from __future__ import annotations
@@ -50,28 +53,30 @@ def main() -> None:
                 w.event()
             time.sleep(3)
             start = time.monotonic()
-            warm: list[int] | None = None
-            rounds = 0
+            samples: list[tuple[float, list[int]]] = []  # (minutes since start, RSS of each learner)
             while time.monotonic() - start < args.minutes * 60:
                 evs = _round_events(workers, "stagger")
-                rounds += 1
-                if warm is None and time.monotonic() - start >= 60:
-                    warm = [e["rss"] for e in evs]
-                    log(f"after 1 min ({rounds} rounds): RSS {[round(r / 2**20) for r in warm]} MiB")
-                if rounds % 20 == 0:
-                    log(f"{(time.monotonic() - start) / 60:.1f} min, {rounds} rounds: RSS "
-                        f"{[round(e['rss'] / 2**20) for e in evs]} MiB")
-            end = [e["rss"] for e in evs]
+                samples.append(((time.monotonic() - start) / 60, [e["rss"] for e in evs]))
+                if len(samples) % 40 == 0:
+                    log(f"{samples[-1][0]:.1f} min, {len(samples)} rounds: RSS "
+                        f"{[round(r / 2**20) for r in samples[-1][1]]} MiB")
             peak = [e["maxrss"] for e in evs]
         finally:
             for w in workers:
                 w.stop()
-    warm = warm or end
-    growth = [(b - a) / NUMEL for a, b in zip(warm, end, strict=True)]
+
+    def window(lo: float, hi: float) -> list[float]:
+        """Per learner, the median RSS read in minutes [lo, hi)."""
+        rows = [rss for t, rss in samples if lo <= t < hi] or [samples[-1][1]]
+        return [statistics.median(col) for col in zip(*rows, strict=True)]
+
+    first, warm, last = window(0, 1), window(2, 3), window(args.minutes - 1, args.minutes + 1)
+    growth = [(b - a) / NUMEL for a, b in zip(warm, last, strict=True)]
     print(json.dumps({
-        "minutes": args.minutes, "rounds": rounds, "baseline_rss_mib": round(baseline / 2**20, 1),
-        "rss_mib_after_1min": [round(r / 2**20, 1) for r in warm], "rss_mib_at_end": [round(r / 2**20, 1) for r in end],
+        "minutes": args.minutes, "rounds": len(samples), "baseline_rss_mib": round(baseline / 2**20, 1),
+        "rss_mib_minute_3": [round(r / 2**20, 1) for r in warm], "rss_mib_last_minute": [round(r / 2**20, 1) for r in last],
         "peak_extra_bytes_per_param": round((statistics.median(peak) - baseline) / NUMEL, 2),
+        "warmup_bytes_per_param": round(statistics.median((b - a) / NUMEL for a, b in zip(first, warm, strict=True)), 3),
         "growth_bytes_per_param": round(statistics.median(growth), 3), "max_growth_bytes_per_param": round(max(growth), 3),
     }))
 

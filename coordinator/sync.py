@@ -266,21 +266,26 @@ class FragmentSync:
         return list(await asyncio.gather(*(self.newest_version(p) for p in range(self.P))))
 
     async def sync_all(self) -> list[int]:
-        """Bring every fragment to the newest announced version, downloading them in parallel, each from
-        another holder (the load spread evenly; the announcing owner is the last resort), each as soon as its
-        version is known. Returns the fragments still behind (empty when fully synced)."""
+        """Bring every fragment to the newest announced version. All fragments are fetched at once, each from
+        another holder (the load spread evenly), while the newest versions are read from the DHT; a fragment
+        still behind its announced version then is caught up again, from the announcing owner first. Returns
+        the fragments still behind (empty when fully synced)."""
         live = [m.peer_id for m in self.members.live() if m.peer_id != self.members.peer_id and not m.client_mode]
         random.shuffle(live)
+        announced = asyncio.ensure_future(self.newest_versions())
 
-        async def one(p: int) -> bool:
-            newest = await self.newest_version(p)
-            if newest is None or not newest[0] > self.store.label(p):
-                return True
+        async def fetch(p: int) -> None:
             k = p % max(len(live), 1)
-            return await self._catch_up(p, [*live[k:], *live[:k], newest[1]], newest[0])
+            await self._catch_up(p, [*live[k:], *live[:k]])
 
-        done = await asyncio.gather(*(one(p) for p in range(self.P)))
-        return [p for p, ok in enumerate(done) if not ok]
+        await asyncio.gather(*(fetch(p) for p in range(self.P)))
+        newest = await announced
+
+        def behind() -> list[int]:
+            return [p for p, v in enumerate(newest) if v is not None and v[0] > self.store.label(p)]
+
+        await asyncio.gather(*(self._catch_up(p, [newest[p][1], *live], newest[p][0]) for p in behind()))
+        return behind()
 
     # -- sending --------------------------------------------------------------------------------------------
 
