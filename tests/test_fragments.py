@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from diloco.coordinator.fragments import DigestMismatch, FragmentStore, anchor_digest
 from diloco.coordinator.version import GENESIS, Version
@@ -195,3 +197,31 @@ def test_an_unset_fragment_is_downloaded_into_its_own_anchor_once_at_a_time():
     store.end_download(0)
     assert store.held[0].anchor is target and torch.equal(target, torch.arange(4.0)) and not store.unset
     assert store.label(0) == Version(2, 3) and not store.downloading
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.integers(0, 16), st.lists(st.integers(1, 64), max_size=12),
+       st.booleans())
+def test_any_bytes_in_any_pieces_either_read_as_the_fragment_sent_or_are_refused(junk, numel, cuts, honest):
+    from diloco.coordinator.wire import FragmentReader
+    from diloco.protocol.errors import Malformed
+
+    values = torch.arange(numel, dtype=torch.float32)
+    body = _fragment_body(junk[:40], values) if honest else junk
+    reader = FragmentReader(numel)
+    pieces, at = [], 0
+    for n in cuts:
+        pieces.append(body[at : at + n])
+        at += n
+    pieces.append(body[at:])
+    try:
+        reader.begin(None)
+        for piece in pieces:
+            reader.write(piece)
+        reader.end()
+    except Malformed:
+        assert not honest
+        return
+    assert reader.anchor.numel() == numel and len(reader.cert) + 4 + 4 * numel == len(body)
+    if honest:
+        assert reader.cert == junk[:40] and torch.equal(reader.anchor, values)
