@@ -83,6 +83,10 @@ def _glibc():
         return None
 
 
+async def _true() -> bool:
+    return True
+
+
 class JoinError(Exception):
     """The swarm could not be joined; the message says why and what to try."""
 
@@ -254,23 +258,34 @@ class Swarm:
                     raise JoinError(f"{e}; check --peers") from None
                 await asyncio.sleep(0.25)
         log.info("join: DHT bootstrapped in %.3fs", time.perf_counter() - t0)
-        if cfg.client_mode is None and cfg.peers and self.server is not None and not await self._reachable():
+        check = cfg.client_mode is None and cfg.peers and self.server is not None
+        reachable, _ = await asyncio.gather(self._reachable() if check else _true(), self.members.poll())
+        if not reachable:
             raise JoinError(f"other peers cannot reach {self.url}; pass --announce with a reachable address, "
                             "or --client-mode to train without accepting connections")
-        await self.members.publish()
-        await self.members.poll()
         log.info("join: %d members seen at %.3fs", len(self.members.live()), time.perf_counter() - t0)
         if self.shard is not None:
             self.shard.enabled = True
             self.shard.reassign()
-        deadline = time.monotonic() + cfg.join_timeout_s
+        publishing = asyncio.ensure_future(self.members.publish())  # (owners push updates to us once they see
+        try:  # us, `synced` false), while the fragments download
+            await self._sync_fragments(t0)
+        except BaseException:
+            publishing.cancel()
+            with contextlib.suppress(BaseException):
+                await publishing
+            raise
+        await publishing
+
+    async def _sync_fragments(self, t0: float) -> None:
+        deadline = time.monotonic() + self.config.join_timeout_s
         while True:
             behind = await self.sync.sync_all()
             log.info("join: fragments synced at %.3fs, still behind: %s", time.perf_counter() - t0, behind)
             if not behind:
                 return
             if time.monotonic() > deadline:
-                raise JoinError(f"could not download fragments {behind} within {cfg.join_timeout_s:.0f}s")
+                raise JoinError(f"could not download fragments {behind} within {self.config.join_timeout_s:.0f}s")
             await asyncio.sleep(1.0)
             await self.members.poll()
 
