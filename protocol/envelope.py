@@ -163,11 +163,17 @@ class ReplayCache:
     releases it, so the sender can retry the very same signed bytes.
     """
 
+    PURGE_EVERY_S = 30.0  # expired pairs are dropped this often (else the cache only grows, up to the cap)
+
     def __init__(self, max_entries: int = 1_000_000) -> None:
         self._seen: dict[bytes, float] = {}
         self._max = max_entries
+        self._next_purge = 0.0
 
     def reserve(self, key: bytes, expires_at: float, now: float) -> None:
+        if now >= self._next_purge:
+            self._purge(now)
+            self._next_purge = now + self.PURGE_EVERY_S
         if key in self._seen and self._seen[key] >= now:
             raise Replayed("message already received (same sender and nonce)")
         if len(self._seen) >= self._max:

@@ -235,3 +235,16 @@ def test_mutated_envelopes_only_raise_protocol_errors(edits, resize):
         except ProtocolError:
             continue
         assert env.to_bytes() == VALID  # only a no-op mutation may pass
+
+
+def test_the_replay_cache_forgets_expired_pairs_as_time_passes_not_only_when_full():
+    from diloco.protocol.envelope import ReplayCache
+
+    cache = ReplayCache(max_entries=1_000_000)
+    for i in range(1000):  # a minute of traffic, each pair valid for 60 s after its timestamp
+        cache.reserve(i.to_bytes(4, "big"), expires_at=100.0 + i * 0.06 + 60, now=100.0 + i * 0.06)
+    assert len(cache) == 1000
+    cache.reserve(b"later", expires_at=400.0 + 60, now=400.0)  # minutes later: the old pairs are gone
+    assert len(cache) == 1
+    with pytest.raises(Replayed):
+        cache.reserve(b"later", expires_at=401.0 + 60, now=401.0)  # a pair still valid is still refused
