@@ -177,10 +177,4 @@ class FragmentOwner:
     def _decode_one(self, d: PendingDelta, out: Tensor | None = None) -> Tensor:
         """Decode (into `out`, if given) and check one delta's size. Raises `Malformed`. The codecs never
         decode to non-finite values (they refuse such payloads), and `merge` checks every norm again."""
-        try:
-            delta = self.codec.decode(d.meta, d.payload, max_elements=self.numel, out=out).reshape(-1)
-        except ValueError:  # `out` has the fragment's size, the payload another
-            raise Malformed(f"delta does not have the {self.numel} elements of fragment {self.p}") from None
-        if delta.numel() != self.numel:
-            raise Malformed(f"delta has {delta.numel()} elements, fragment {self.p} has {self.numel}")
-        return delta
+        return Encoded(self.codec, d.meta, d.payload).decode(self.numel, out=out)

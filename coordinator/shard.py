@@ -282,17 +282,16 @@ class Shard:
             env = seal(self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
             frame = env.to_bytes()
             replicated = await self._replicate(p, owner, env, anchor, pub.new)
+            if self.owners.get(p) is not owner or self.store.label(p) != pub.base:
+                # Lost ownership meanwhile, or another owner's newer version arrived first (views of the member
+                # set differed for a moment): the version with the higher (term, version) stands.
+                self.stats["publications_abandoned"] += 1
+                return
+            self.store.advance(p, pub.base, pub.new, pub.update, frame, env.prefix(), contributors=pub.learners,
+                               move=Encoded(self.codec, pub.meta, pub.payload))
         finally:
             self.pool.give(anchor)
-        if self.owners.get(p) is not owner or self.store.label(p) != pub.base:
-            # Lost ownership meanwhile, or another owner's newer version arrived first (views of the member
-            # set differed for a moment): the version with the higher (term, version) stands.
-            self.stats["publications_abandoned"] += 1
             self.pool.give(pub.update)
-            return
-        self.store.advance(p, pub.base, pub.new, pub.update, frame, env.prefix(), contributors=pub.learners,
-                           move=Encoded(self.codec, pub.meta, pub.payload))
-        self.pool.give(pub.update)
         self.outer_steps[p] += 1
         self.stats["outer_steps"] += 1
         await self._push(env, exclude=replicated | {self.members.peer_id})

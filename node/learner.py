@@ -126,7 +126,7 @@ class Learner:
         if not fresh:
             restore(ckpt, self.model, self.optimizer)
             self.t = ckpt.step
-            anchors = [ckpt.anchors[p] for p in range(self.spec.fragments)]
+            anchors = [a.copy_(ckpt.anchors[p].reshape(-1)) for p, a in enumerate(self._anchor_memory)]
             labels = [Version(*ckpt.labels[p]) for p in range(self.spec.fragments)]
             certs = [ckpt.certs.get(p, b"") for p in range(self.spec.fragments)]
             self._restored = dict(ckpt.counters)
@@ -141,7 +141,7 @@ class Learner:
             anchors = [self.plan.flatten(p, self.params, out=a) for p, a in enumerate(self._anchor_memory)]
             if self.spec.genesis_digest:
                 self._check_genesis(anchors)
-        self._anchor_memory = []  # the store's from now on (a resumed learner uses its checkpoint's instead)
+        self._anchor_memory = []  # the store's from now on
         self.swarm = Swarm(self.identity, self.spec, self.plan, anchors, self.config, labels, certs,
                            adopt_anchors=True, unset=unset)
         self.swarm.store.merged_steps = int(self._restored.get("merged_steps", 0))
@@ -161,10 +161,12 @@ class Learner:
         store = self.swarm.store
         if not store.unset:
             return
+        values = {p: self.plan.flatten(p, self.params)
+                  for p in (range(self.spec.fragments) if self.spec.genesis_digest else sorted(store.unset))}
         if self.spec.genesis_digest:
-            self._check_genesis([self.plan.flatten(p, self.params) for p in range(self.spec.fragments)])
+            self._check_genesis(list(values.values()))
         for p in sorted(store.unset):
-            store.fill(p, self.plan.flatten(p, self.params))
+            store.fill(p, values[p])
 
     def _check_genesis(self, anchors: list[torch.Tensor]) -> None:
         if _digest_of(anchors) != self.spec.genesis_digest:

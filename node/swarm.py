@@ -83,10 +83,6 @@ def _glibc():
         return None
 
 
-async def _true() -> bool:
-    return True
-
-
 class JoinError(Exception):
     """The swarm could not be joined; the message says why and what to try."""
 
@@ -258,8 +254,7 @@ class Swarm:
                     raise JoinError(f"{e}; check --peers") from None
                 await asyncio.sleep(0.25)
         log.info("join: DHT bootstrapped in %.3fs", time.perf_counter() - t0)
-        check = cfg.client_mode is None and cfg.peers and self.server is not None
-        reachable, _ = await asyncio.gather(self._reachable() if check else _true(), self.members.poll())
+        reachable, _ = await asyncio.gather(self._reachable(), self.members.poll())
         if not reachable:
             raise JoinError(f"other peers cannot reach {self.url}; pass --announce with a reachable address, "
                             "or --client-mode to train without accepting connections")
@@ -290,7 +285,10 @@ class Swarm:
             await self.members.poll()
 
     async def _reachable(self) -> bool:
-        """Ask a bootstrap peer to open a connection to our announced URL (GET /v1/reach)."""
+        """Ask a bootstrap peer to open a connection to our announced URL (GET /v1/reach); True without asking
+        when there is nothing to check (no peers, no server, or client mode chosen by flag)."""
+        if self.config.client_mode is not None or self.server is None:
+            return True
         for peer in self.config.peers:
             with contextlib.suppress(TransportError):
                 body = await self.client.request("GET", peer, f"{ROUTE_REACH}?url={quote(self.url, safe='')}",

@@ -22,14 +22,19 @@ def torch_sgd_trajectory(theta0, deltas, lr, momentum, nesterov):
     return out, opt.state[param].get("momentum_buffer")
 
 
+def sgd_case(seed, lr, momentum, nesterov):
+    """Θ⁽⁰⁾ and 6 deltas from `seed`, with torch's SGD trajectory and final momentum for them."""
+    g = torch.Generator().manual_seed(seed)
+    theta0 = torch.randn(257, generator=g)
+    deltas = [torch.randn(257, generator=g) * 0.01 for _ in range(6)]
+    return theta0, deltas, *torch_sgd_trajectory(theta0, deltas, lr, momentum, nesterov)
+
+
 @pytest.mark.parametrize(
     ("lr", "momentum", "nesterov"), [(0.7, 0.9, True), (0.3, 0.5, True), (1.0, 0.9, False)]
 )
 def test_outer_step_equals_torch_sgd_over_several_steps(lr, momentum, nesterov):
-    g = torch.Generator().manual_seed(0)
-    theta0 = torch.randn(257, generator=g)
-    deltas = [torch.randn(257, generator=g) * 0.01 for _ in range(6)]
-    expected, expected_buf = torch_sgd_trajectory(theta0, deltas, lr, momentum, nesterov)
+    theta0, deltas, expected, expected_buf = sgd_case(0, lr, momentum, nesterov)
     outer = OuterOptimizer(lr=lr, momentum=momentum, nesterov=nesterov)
     theta, buf = theta0, None
     for d, want in zip(deltas, expected, strict=True):
@@ -42,10 +47,7 @@ def test_outer_step_equals_torch_sgd_over_several_steps(lr, momentum, nesterov):
     ("lr", "momentum", "nesterov"), [(0.7, 0.9, True), (0.3, 0.5, True), (1.0, 0.9, False), (0.5, 0.0, False)]
 )
 def test_the_owners_in_place_update_follows_torch_sgd(lr, momentum, nesterov):
-    g = torch.Generator().manual_seed(1)
-    theta0 = torch.randn(257, generator=g)
-    deltas = [torch.randn(257, generator=g) * 0.01 for _ in range(6)]
-    expected, expected_buf = torch_sgd_trajectory(theta0, deltas, lr, momentum, nesterov)
+    theta0, deltas, expected, expected_buf = sgd_case(1, lr, momentum, nesterov)
     outer = OuterOptimizer(lr=lr, momentum=momentum, nesterov=nesterov)
     theta, buf = theta0.clone(), None
     for d, want in zip(deltas, expected, strict=True):
