@@ -42,6 +42,7 @@ from .wire import (
     FragRecord,
     UpdateFields,
     frag_key,
+    fragment_body_max,
     pack_fragment,
 )
 
@@ -225,7 +226,7 @@ class FragmentSync:
         reader = FragmentReader(self.store.numel(p), into=self.store.begin_download(p))
         try:
             await self.client.request("GET", url, f"/v1/fragment/{p}", idempotent=True, retries=0,
-                                      max_response=self.store.numel(p) * 4 + 70_004, sink=reader)
+                                      max_response=fragment_body_max(self.store.numel(p)), sink=reader)
             return await self._check_and_install(p, reader, repair)
         except RemoteError as e:
             if e.status == 404:

@@ -141,47 +141,61 @@ class ReplicateFields:
                    _int(f, "update_len"), momentum)
 
 
+MAX_CERT = 70_000  # bytes of an update certificate in a fragment body, at most
+
+
+def fragment_body_max(numel: int) -> int:
+    """The longest body GET /v1/fragment/{p} may answer for a fragment of `numel` elements."""
+    return 4 + MAX_CERT + 4 * numel
+
+
 def pack_fragment(cert: bytes, anchor_bytes: bytes | memoryview) -> list[bytes | memoryview]:
     """Body of GET /v1/fragment/{p}: u32 big-endian cert length, the cert, the fp32 anchor bytes."""
     return [struct.pack(">I", len(cert)) + cert, anchor_bytes]
 
 
 class FragmentReader:
-    """Reads the body of GET /v1/fragment/{p} (see `pack_fragment`) as it arrives in pieces (a
-    `transport.BodySink`): the anchor bytes go straight into an fp32 tensor (`anchor`: a fresh one, or the one
-    given), so a download is never held twice; the certificate ends up in `cert`. Checking the anchor against
-    it is the caller's."""
+    """Reads the body of GET /v1/fragment/{p} (see `pack_fragment`) as a `bulk.BodySink`: the socket writes
+    the anchor bytes straight into an fp32 tensor (`anchor`: a fresh one, or the one given), so a download is
+    never held twice nor copied; the certificate ends up in `cert`. Checking the anchor against it is the
+    caller's."""
 
     def __init__(self, numel: int, into: torch.Tensor | None = None) -> None:
         """`into`: a flat fp32 tensor of `numel` elements to write the anchor into (default: a new one)."""
         self.numel, self.into = numel, into
 
-    def begin(self, content_length: int | None) -> None:
-        if content_length is not None and not 4 + self.numel * 4 <= content_length <= 4 + 70_000 + self.numel * 4:
+    def begin(self, content_length: int) -> None:
+        if not 4 + self.numel * 4 <= content_length <= fragment_body_max(self.numel):
             raise Malformed(f"a fragment of {self.numel} elements cannot be {content_length} bytes long")
-        self.head = bytearray()
+        self.length = content_length
         self.cert: bytes | None = None
+        self._head, self._head_pos = bytearray(4), 0  # the certificate's length, then the certificate
+        self._cert_len: int | None = None
         self.anchor = torch.empty(self.numel, dtype=torch.float32) if self.into is None else self.into
         self._bytes = memoryview(self.anchor.numpy()).cast("B")
         self._pos = 0
 
-    def write(self, part: bytes) -> None:
-        view = memoryview(part)
+    def buffer(self) -> memoryview:
         if self.cert is None:
-            before = len(self.head)
-            self.head += view[: 4 + 70_000 - before]
-            if len(self.head) < 4:
+            return memoryview(self._head)[self._head_pos :]
+        return self._bytes[self._pos :]
+
+    def advance(self, n: int) -> None:
+        if self.cert is not None:
+            self._pos += n
+            return
+        self._head_pos += n
+        if self._head_pos < len(self._head):
+            return
+        if self._cert_len is None:  # the length is read: now the certificate, into a new buffer (the
+            # socket may still hold a view of this one)
+            (k,) = struct.unpack(">I", self._head)
+            if 4 + k + 4 * self.numel != self.length:
+                raise Malformed(f"a certificate of {k} bytes does not fit a fragment body of {self.length} bytes")
+            self._cert_len, self._head, self._head_pos = k, bytearray(k), 0
+            if k:
                 return
-            (n,) = struct.unpack(">I", self.head[:4])
-            if n > 70_000:
-                raise Malformed("fragment certificate length is wrong")
-            if len(self.head) < 4 + n:
-                return
-            self.cert, view = bytes(self.head[4 : 4 + n]), view[4 + n - before :]
-        if self._pos + len(view) > len(self._bytes):
-            raise Malformed(f"fragment download holds more than its {self.numel} elements")
-        self._bytes[self._pos : self._pos + len(view)] = view
-        self._pos += len(view)
+        self.cert = bytes(self._head)
 
     def end(self) -> None:
         if self.cert is None or self._pos != len(self._bytes):

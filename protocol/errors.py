@@ -76,3 +76,34 @@ class Unavailable(ProtocolError):
     """Not the owner of what was asked, or shutting down."""
 
     status = 503
+
+
+# -- a request that got no usable answer (raised by the transport, not decoded from bytes) ----------------
+
+
+class TransportError(Exception):
+    """A request that did not get a usable answer. `retryable` says whether trying later may help."""
+
+    retryable = True
+
+
+class PeerUnreachable(TransportError):
+    """The connection could not be made or broke before the answer."""
+
+
+class DeadlineExceeded(TransportError):
+    """No complete answer within the request's deadline."""
+
+
+class ResponseTooLarge(TransportError):
+    retryable = False
+
+
+class RemoteError(TransportError):
+    """The peer answered with an error status; `reason` is its one-line explanation."""
+
+    def __init__(self, status: int, reason: str, url: str) -> None:
+        super().__init__(f"{url} answered {status}: {reason}")
+        self.status = status
+        self.reason = reason
+        self.retryable = status in (429, 502, 504)

@@ -16,47 +16,26 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import aiohttp
 from aiohttp import web
 
+from .bulk import BodySink, get_into
 from .deadlines import DeadlinePolicy, LinkEstimator
 from .envelope import Envelope, EnvelopeVerifier, max_frame_size
-from .errors import ProtocolError
+from .errors import (
+    DeadlineExceeded,
+    PeerUnreachable,
+    ProtocolError,
+    RemoteError,
+    ResponseTooLarge,
+    TransportError,
+)
 
 log = logging.getLogger(__name__)
 
 CHUNK = 256 * 1024
 DEFAULT_MAX_RESPONSE = 64 * 1024 * 1024
-
-
-class TransportError(Exception):
-    """A request that did not get a usable answer. `retryable` says whether trying later may help."""
-
-    retryable = True
-
-
-class PeerUnreachable(TransportError):
-    """The connection could not be made or broke before the answer."""
-
-
-class DeadlineExceeded(TransportError):
-    """No complete answer within the request's deadline."""
-
-
-class ResponseTooLarge(TransportError):
-    retryable = False
-
-
-class RemoteError(TransportError):
-    """The peer answered with an error status; `reason` is its one-line explanation."""
-
-    def __init__(self, status: int, reason: str, url: str) -> None:
-        super().__init__(f"{url} answered {status}: {reason}")
-        self.status = status
-        self.reason = reason
-        self.retryable = status in (429, 502, 504)
 
 
 @dataclass
@@ -186,18 +165,6 @@ class PeerServer:
             self._runner = None
 
 
-class BodySink(Protocol):
-    """Where a large answer goes instead of one bytes buffer (e.g. straight into a tensor). `begin` starts
-    (again, on a retry) with the announced length, `write` takes each piece as it arrives, `end` checks that
-    the whole answer came; each raises a `ProtocolError` to refuse the answer."""
-
-    def begin(self, content_length: int | None) -> None: ...
-
-    def write(self, part: bytes) -> None: ...
-
-    def end(self) -> None: ...
-
-
 class PeerClient:
     """Pooled HTTP client with adaptive per-link deadlines, size limits and safe retries."""
 
@@ -284,26 +251,29 @@ class PeerClient:
         self, method: str, url: str, path: str, body, nbytes: int, deadline_s: float | None, max_response: int,
         min_deadline_s: float = 0.0, sink: BodySink | None = None,
     ) -> bytes | bytearray:
+        if sink is not None and (method != "GET" or nbytes):
+            raise ValueError("a sink takes the answer of a GET without a body")
         link = self.link(url)
         path_label = route_label(path)
-        deadline = deadline_s if deadline_s is not None else max(link.deadline(nbytes), min_deadline_s)
-        data = body if isinstance(body, bytes) else _stream(body)
-        headers = {"Content-Length": str(nbytes), "Content-Type": "application/octet-stream"}
+        expected = nbytes + (max_response if sink is not None else 0)  # a bulk answer's size is known ahead
+        deadline = deadline_s if deadline_s is not None else max(link.deadline(expected), min_deadline_s)
         start = time.monotonic()
         received = 0
+
+        def tally(n: int) -> None:
+            nonlocal received
+            received += n
+
         try:
             async with asyncio.timeout(deadline):
-                async with self.session.request(method, url + path, data=data, headers=headers) as resp:
-                    if resp.content_length is not None and resp.content_length > max_response:
-                        raise ResponseTooLarge(f"{url}{path} answered {resp.content_length} bytes (limit {max_response})")
-                    if sink is not None and resp.status < 400:
-                        received = await _read_into(resp, sink, max_response, f"{url}{path}")
-                        out = bytearray()
-                    else:
-                        out = await _read_body(resp, max_response, f"{url}{path}")
-                        received = len(out)
-                    if resp.status >= 400:
-                        raise RemoteError(resp.status, bytes(out[:500]).decode("utf-8", "replace").strip(), url)
+                if sink is not None:
+                    await get_into(url, path, sink, max_response, tally)
+                    out = bytearray()
+                else:
+                    status, out = await self._aiohttp(method, url, path, body, nbytes, max_response)
+                    received = len(out)
+                    if status >= 400:
+                        raise RemoteError(status, bytes(out[:500]).decode("utf-8", "replace").strip(), url)
         except TimeoutError:
             self.counters.record("sent", path_label, received, nbytes, False)
             raise DeadlineExceeded(f"{url}{path} gave no complete answer within {deadline:.2f}s") from None
@@ -324,6 +294,16 @@ class PeerClient:
         link.observe(time.monotonic() - start, nbytes + received)
         self.counters.record("sent", path_label, received, nbytes, True)
         return out
+
+    async def _aiohttp(
+        self, method: str, url: str, path: str, body, nbytes: int, max_response: int
+    ) -> tuple[int, bytearray]:
+        data = body if isinstance(body, bytes) else _stream(body)
+        headers = {"Content-Length": str(nbytes), "Content-Type": "application/octet-stream"}
+        async with self.session.request(method, url + path, data=data, headers=headers) as resp:
+            if resp.content_length is not None and resp.content_length > max_response:
+                raise ResponseTooLarge(f"{url}{path} answered {resp.content_length} bytes (limit {max_response})")
+            return resp.status, await _read_body(resp, max_response, f"{url}{path}")
 
 
 def route_label(path: str) -> str:
@@ -351,23 +331,6 @@ async def _read_body(resp: aiohttp.ClientResponse, limit: int, where: str) -> by
         if len(out) > limit:
             raise ResponseTooLarge(f"{where} answered more than {limit} bytes")
     return out
-
-
-async def _read_into(resp: aiohttp.ClientResponse, sink: BodySink, limit: int, where: str) -> int:
-    """Feed a response body to `sink` piece by piece, as the socket delivers it; returns the bytes read."""
-    if resp.content_length is not None and resp.content_length > limit:
-        raise ResponseTooLarge(f"{where} answered {resp.content_length} bytes (limit {limit})")
-    sink.begin(resp.content_length)
-    received = 0
-    async for part in resp.content.iter_any():
-        received += len(part)
-        if received > limit:
-            raise ResponseTooLarge(f"{where} answered more than {limit} bytes")
-        sink.write(part)
-    if resp.content_length is not None and received != resp.content_length:
-        raise PeerUnreachable(f"{where} closed the connection after {received} of {resp.content_length} bytes")
-    sink.end()
-    return received
 
 
 async def _stream(parts: list[bytes | bytearray | memoryview]) -> AsyncIterator[bytes]:

@@ -88,3 +88,22 @@ class Proc:
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "diloco.node.cli", *args]
+
+
+def feed(sink, body: bytes, cuts: list[int] = ()) -> None:
+    """Hand `body` to a `bulk.BodySink` as a socket would: reads of the sizes in `cuts` (the rest in one
+    read), each split where the sink's buffer ends; a sink with no room for what is still due is refused."""
+    from diloco.protocol.errors import Malformed
+
+    sink.begin(len(body))
+    at = 0
+    for n in [*cuts, len(body)]:
+        while n and at < len(body):
+            view = sink.buffer()
+            k = min(len(view), n, len(body) - at)
+            if not k:
+                raise Malformed("the sink has no room for what is still due")
+            view[:k] = body[at : at + k]
+            sink.advance(k)
+            at, n = at + k, n - k
+    sink.end()

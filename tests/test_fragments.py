@@ -7,6 +7,8 @@ from diloco.coordinator.fragments import DigestMismatch, FragmentStore, anchor_d
 from diloco.coordinator.version import GENESIS, Version
 from diloco.protocol.errors import StaleVersion
 
+from .helpers import feed
+
 V1, V2 = Version(0, 1), Version(0, 2)
 
 
@@ -140,10 +142,7 @@ def test_a_fragment_download_read_in_pieces_of_any_size_lands_in_one_tensor(piec
     values = torch.arange(300, dtype=torch.float32)
     body = _fragment_body(b"c" * 37, values)
     reader = FragmentReader(300)
-    reader.begin(len(body))
-    for i in range(0, len(body), piece):
-        reader.write(body[i : i + piece])
-    reader.end()
+    feed(reader, body, [piece] * (len(body) // piece))
     assert reader.cert == b"c" * 37 and torch.equal(reader.anchor, values)
     assert anchor_digest(reader.anchor) == anchor_digest(values)
 
@@ -156,20 +155,20 @@ def test_a_fragment_download_of_the_wrong_size_or_shape_is_refused():
     reader = FragmentReader(10)
     with pytest.raises(Malformed):
         reader.begin(len(body) + 70_001)  # more than any certificate explains
-    reader.begin(None)  # length unknown: checked as it arrives
     with pytest.raises(Malformed):
-        reader.write(body + b"\0\0\0\0")  # one element too many
-    reader.begin(None)
-    reader.write(body[:-4])
+        feed(reader, body + b"\0\0\0\0")  # one element too many: the certificate's length does not fit
     with pytest.raises(Malformed):
-        reader.end()  # one element short
-    reader.begin(None)
+        feed(reader, _fragment_body(b"cert", torch.ones(9)))  # one element short
     with pytest.raises(Malformed):
-        reader.write(b"\xff\xff\xff\xff")  # a certificate length no certificate has
-    reader.begin(None)
-    reader.write(body[:6])
+        feed(reader, b"\xff\xff\xff\xff" + bytes(40))  # a certificate length no certificate has
+    reader.begin(len(body))
+    for part in (body[:4], body[4:6]):  # the certificate's length, then half the certificate
+        reader.buffer()[: len(part)] = part
+        reader.advance(len(part))
     with pytest.raises(Malformed):
         reader.end()  # ended inside the certificate
+    feed(reader, body)  # and the same reader still takes a whole download (a retry begins again)
+    assert reader.cert == b"cert" and torch.equal(reader.anchor, torch.ones(10))
 
 
 def test_an_unset_fragment_takes_no_update_until_filled_or_installed():
@@ -209,16 +208,8 @@ def test_any_bytes_in_any_pieces_either_read_as_the_fragment_sent_or_are_refused
     values = torch.arange(numel, dtype=torch.float32)
     body = _fragment_body(junk[:40], values) if honest else junk
     reader = FragmentReader(numel)
-    pieces, at = [], 0
-    for n in cuts:
-        pieces.append(body[at : at + n])
-        at += n
-    pieces.append(body[at:])
     try:
-        reader.begin(None)
-        for piece in pieces:
-            reader.write(piece)
-        reader.end()
+        feed(reader, body, cuts)
     except Malformed:
         assert not honest
         return

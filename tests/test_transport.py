@@ -7,7 +7,7 @@ from aiohttp import web
 
 from diloco.protocol.deadlines import DeadlinePolicy, LinkEstimator
 from diloco.protocol.envelope import EnvelopeVerifier, register_kind, seal
-from diloco.protocol.errors import BackPressure, Malformed
+from diloco.protocol.errors import BackPressure
 from diloco.protocol.identity import Identity
 from diloco.protocol.transport import (
     DeadlineExceeded,
@@ -96,38 +96,6 @@ async def test_response_over_limit_is_refused(server):
         with pytest.raises(ResponseTooLarge):
             await client.request("GET", server.url, "/v1/big", max_response=1000)
         assert len(await client.request("GET", server.url, "/v1/big")) == 4096
-
-
-class Collect:
-    """A BodySink that keeps what it is fed, and can refuse the answer at its end."""
-
-    def __init__(self, refuse: bool = False) -> None:
-        self.refuse, self.begun, self.parts = refuse, [], []
-
-    def begin(self, content_length):
-        self.begun.append(content_length)
-        self.parts = []
-
-    def write(self, part):
-        self.parts.append(bytes(part))
-
-    def end(self):
-        if self.refuse:
-            raise Malformed("not what was expected")
-
-
-async def test_a_sink_receives_the_body_as_it_arrives_and_may_refuse_it(server):
-    async with PeerClient() as client:
-        sink = Collect()
-        assert await client.request("GET", server.url, "/v1/big", sink=sink) == b""
-        assert sink.begun == [4096] and b"".join(sink.parts) == b"x" * 4096
-        with pytest.raises(Malformed):
-            await client.request("GET", server.url, "/v1/big", sink=Collect(refuse=True))
-        with pytest.raises(ResponseTooLarge):
-            await client.request("GET", server.url, "/v1/big", max_response=1000, sink=Collect())
-        with pytest.raises(RemoteError):  # an error answer never reaches the sink
-            await client.request("GET", server.url, "/v1/nothing-here", sink=(unused := Collect()))
-        assert unused.begun == []
 
 
 async def test_peer_that_accepts_but_never_answers_hits_the_deadline():
