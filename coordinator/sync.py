@@ -267,26 +267,51 @@ class FragmentSync:
         return list(await asyncio.gather(*(self.newest_version(p) for p in range(self.P))))
 
     async def sync_all(self) -> list[int]:
-        """Bring every fragment to the newest announced version. All fragments are fetched at once, each from
-        another holder (the load spread evenly), while the newest versions are read from the DHT; a fragment
-        still behind its announced version then is caught up again, from the announcing owner first. Returns
-        the fragments still behind (empty when fully synced)."""
+        """Bring every fragment to its newest version; returns the fragments still behind (empty when synced).
+
+        All fragments are fetched at once, each from its owner in our view of the swarm: the owner holds the
+        newest version by definition (a 404 from it: the fragment is still at genesis), so nothing needs to
+        be checked. A fragment whose owner is unknown or fails comes from another holder (the load spread
+        evenly); only those are then compared with the versions announced in the DHT, and caught up from the
+        announcing owner first. (Reading the DHT for every fragment cost a joiner about a fifth of its join
+        in lookups: 8 keys, 3 nodes each.)"""
         live = [m.peer_id for m in self.members.live() if m.peer_id != self.members.peer_id and not m.client_mode]
         random.shuffle(live)
-        announced = asyncio.ensure_future(self.newest_versions())
+        unchecked: list[int] = []
 
         async def fetch(p: int) -> None:
-            k = p % max(len(live), 1)
-            await self._catch_up(p, [*live[k:], *live[:k]])
+            if not await self._from_owner(p):
+                k = p % max(len(live), 1)
+                await self._catch_up(p, [*live[k:], *live[:k]])
+                unchecked.append(p)
 
         await asyncio.gather(*(fetch(p) for p in range(self.P)))
-        newest = await announced
+        self.stats["join_synced_from_owner"] += self.P - len(unchecked)
+        self.stats["join_checked_in_dht"] += len(unchecked)
+        newest = dict(zip(unchecked, await asyncio.gather(*(self.newest_version(p) for p in unchecked)), strict=True))
 
         def behind() -> list[int]:
-            return [p for p, v in enumerate(newest) if v is not None and v[0] > self.store.label(p)]
+            return sorted(p for p, v in newest.items() if v is not None and v[0] > self.store.label(p))
 
         await asyncio.gather(*(self._catch_up(p, [newest[p][1], *live], newest[p][0]) for p in behind()))
         return behind()
+
+    async def _from_owner(self, p: int) -> bool:
+        """Download fragment p from its owner in our view; True when the owner answered (with the fragment, or
+        with 404 while the fragment is at genesis)."""
+        roles = self.members.roles(p)
+        owner = roles[0] if roles and roles[0] != self.members.peer_id else None
+        url = self.members.url(owner) if owner is not None else None
+        if url is None:
+            return False
+        try:
+            await self.fetch_fragment(p, url, repair=True)
+            return True
+        except (TransportError, ProtocolError) as e:
+            log.info("downloading fragment %d from its owner %s failed: %s", p, owner[:8], e)
+            if isinstance(e, TransportError):
+                self.members.failed(owner, e)
+            return False
 
     # -- sending --------------------------------------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """Learners in one process (one swarm thread each): the fragment protocol end to end, fast."""
 
+import time
+
 import pytest
 import torch
 
 from diloco.coordinator.fragments import anchor_digest
 
-from .swarm_utils import LocalLearner, tiny_run, wait_until
+from .swarm_utils import LocalLearner, fast_config, tiny_run, wait_until
 
 
 @pytest.fixture
@@ -77,3 +79,37 @@ def test_a_learner_built_from_another_seed_is_refused_while_its_values_would_be_
             assert torch.equal(joined.plan.flatten(p, joined.params), first.learner.swarm.store.held[p].anchor)
     finally:
         joined.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_takes_each_fragment_from_its_owner_and_checks_in_the_dht_only_what_a_dead_owner_left(fleet):
+    genesis = tiny_run(fragments=6)
+    learners = fleet(genesis, 3)
+    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 3 for ll in learners), 20, "3 live members")
+    for _ in range(2):
+        for ll in learners:
+            ll.train(10)
+    wait_until(lambda: all(v.version > 0 for v in learners[0].learner.labels), 30, "a version of every fragment")
+    P = genesis.spec.fragments
+
+    def join(index: int) -> LocalLearner:
+        late = LocalLearner(genesis, index, peers=[learners[0].url]).start()
+        learners.append(late)  # (closed by the fixture)
+        return late
+
+    gone = max(learners, key=lambda ll: len(ll.learner.swarm.shard.owners))  # owns 2 of the 6 at least
+    owned = len(gone.learner.swarm.shard.owners)
+    gone.learner.close()  # stopped without a word: its member record outlives it for a while
+    late = join(3)
+    stats = late.learner.swarm.sync.stats
+    assert stats["join_checked_in_dht"] >= owned >= 2, "what the dead owner could not serve is checked"
+    assert stats["join_synced_from_owner"] + stats["join_checked_in_dht"] == P
+    survivor = next(ll for ll in learners if ll is not gone)
+    wait_until(lambda: late.learner.labels >= survivor.learner.labels, 30, "the newest version of all")
+    learners.remove(gone)
+
+    time.sleep(fast_config().member_ttl_s + 1)  # the dead peer's record expires: every owner is alive again
+    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 3 for ll in learners), 20, "3 live members")
+    healthy = join(4)
+    stats = healthy.learner.swarm.sync.stats
+    assert stats["join_synced_from_owner"] == P and stats["join_checked_in_dht"] == 0
