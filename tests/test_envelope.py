@@ -248,3 +248,23 @@ def test_the_replay_cache_forgets_expired_pairs_as_time_passes_not_only_when_ful
     assert len(cache) == 1
     with pytest.raises(Replayed):
         cache.reserve(b"later", expires_at=401.0 + 60, now=401.0)  # a pair still valid is still refused
+
+
+def test_envelopes_never_fill_the_signature_cache_and_repeated_records_hit_it():
+    """Every envelope has its own nonce, so remembering its verification only grows the memory (it once
+    grew a learner by ~20 MiB over its first minutes); DHT records come back unchanged and are remembered."""
+    import time
+
+    from diloco.protocol.dht.records import ValueRecord
+    from diloco.protocol.identity import _verify_cached
+
+    _verify_cached.cache_clear()
+    verifier = EnvelopeVerifier(RUN)
+    for i in range(50):
+        verifier.open(frame(b"x" * i))
+    assert _verify_cached.cache_info().currsize == 0
+    record = ValueRecord.create(SENDER, "run:x:members", b"value", time.time() + 60, SENDER.peer_id)
+    for _ in range(5):
+        ValueRecord.from_wire(record.to_wire())
+    info = _verify_cached.cache_info()
+    assert info.currsize == 1 and info.hits == 4 and info.maxsize <= 2048

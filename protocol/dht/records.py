@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from .. import canonical
 from ..errors import BadSignature, Malformed
-from ..identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, node_id_of, peer_id_of, verify
+from ..identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, node_id_of, peer_id_of, verify_repeated
 
 NODE_INFO_DOMAIN = b"diloco-node/v1/node-info\0"
 VALUE_DOMAIN = b"diloco-node/v1/dht-value\0"
@@ -154,7 +154,7 @@ class NodeInfo:
         ts = o["timestamp_ms"]
         if not isinstance(ts, int) or isinstance(ts, bool) or not 0 <= ts < 2**63:
             raise Malformed("timestamp_ms must be a non-negative 64-bit integer")
-        verify(public_key, signature, _node_info_message(public_key, url, region, o["client_mode"], ts))
+        verify_repeated(public_key, signature, _node_info_message(public_key, url, region, o["client_mode"], ts))
         info = cls(public_key, url, region, o["client_mode"], ts, signature)
         if len(_VERIFIED_INFOS) >= _VERIFIED_INFOS_MAX:
             _VERIFIED_INFOS.pop(next(iter(_VERIFIED_INFOS)))
@@ -226,7 +226,7 @@ class ValueRecord:
                 f"record for subkey {self.subkey!r} of {self.key!r} is signed by {peer_id_of(self.signer)}, "
                 "not by the subkey's owner"
             )
-        verify(self.signer, self.signature, self.signed_message())
+        verify_repeated(self.signer, self.signature, self.signed_message())
 
     def supersedes(self, other: ValueRecord) -> bool:
         """Last writer wins: the larger expiration, ties broken by the larger signature so every replica
