@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 from .errors import Malformed, PeerUnreachable, RemoteError, ResponseTooLarge
@@ -68,6 +68,8 @@ class _OneGet(asyncio.BufferedProtocol):
 
     def __init__(self, url: str, path: str, sink: BodySink, limit: int, tally: Callable[[int], None] | None) -> None:
         self.url, self.path, self.sink, self.limit, self.tally = url, path, sink, limit, tally
+        self.request = (f"GET {path} HTTP/1.1\r\nHost: {urlsplit(url).netloc}\r\nAccept-Encoding: identity\r\n"
+                        "Connection: close\r\n\r\n").encode("latin-1")
         self.done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.head = bytearray(MAX_HEAD)
         self.head_len = 0
@@ -78,10 +80,8 @@ class _OneGet(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        parts = urlsplit(self.url)
-        transport.write(f"GET {self.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nAccept-Encoding: identity\r\n"  # type: ignore[attr-defined]
-                        "Connection: close\r\n\r\n".encode("latin-1"))
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.write(self.request)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.done.done():  # finished or refused: whatever still arrives is dropped
