@@ -61,7 +61,7 @@ def verify_repeated(public_key: bytes, signature: bytes, message: bytes) -> None
     """`verify`, for signed items that arrive again and again unchanged (DHT node infos and records: every
     reply carries them): the last 2048 that verified are remembered (about 1 MiB), since re-verifying
     identical bytes proves nothing new. Failures are never remembered. Messages that never repeat (envelopes:
-    each has its own nonce) must use `verify`: they would only fill the memory, as they once did, by 20 MiB
+    each has its own nonce) must use `verify`: they would only fill the memory, as they once did, by up to ~20 MiB
     over the first minutes of a run."""
     if len(message) <= _CACHE_MAX_MESSAGE:
         _verify_cached(bytes(public_key), bytes(signature), bytes(message))
