@@ -92,24 +92,24 @@ def test_a_joiner_takes_each_fragment_from_its_owner_and_checks_in_the_dht_only_
     wait_until(lambda: all(v.version > 0 for v in learners[0].learner.labels), 30, "a version of every fragment")
     P = genesis.spec.fragments
 
-    def join(index: int) -> LocalLearner:
-        late = LocalLearner(genesis, index, peers=[learners[0].url]).start()
+    def join(index: int, via: LocalLearner) -> LocalLearner:
+        late = LocalLearner(genesis, index, peers=[via.url]).start()
         learners.append(late)  # (closed by the fixture)
         return late
 
     gone = max(learners, key=lambda ll: len(ll.learner.swarm.shard.owners))  # owns 2 of the 6 at least
     owned = len(gone.learner.swarm.shard.owners)
     gone.learner.close()  # stopped without a word: its member record outlives it for a while
-    late = join(3)
+    survivor = next(ll for ll in learners if ll is not gone)
+    late = join(3, via=survivor)
     stats = late.learner.swarm.sync.stats
     assert stats["join_checked_in_dht"] >= owned >= 2, "what the dead owner could not serve is checked"
     assert stats["join_synced_from_owner"] + stats["join_checked_in_dht"] == P
-    survivor = next(ll for ll in learners if ll is not gone)
     wait_until(lambda: late.learner.labels >= survivor.learner.labels, 30, "the newest version of all")
     learners.remove(gone)
 
     time.sleep(fast_config().member_ttl_s + 1)  # the dead peer's record expires: every owner is alive again
     wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 3 for ll in learners), 20, "3 live members")
-    healthy = join(4)
+    healthy = join(4, via=survivor)
     stats = healthy.learner.swarm.sync.stats
     assert stats["join_synced_from_owner"] == P and stats["join_checked_in_dht"] == 0
