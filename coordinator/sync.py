@@ -197,10 +197,14 @@ class FragmentSync:
                 if await self.fetch_fragment(p, url, repair=True) and reached():
                     return True
             except (TransportError, ProtocolError) as e:
-                log.info("catching up fragment %d from %s failed: %s", p, peer[:8], e)
-                if isinstance(e, TransportError):
-                    self.members.failed(peer, e)
+                self._holder_failed(peer, f"catching up fragment {p}", e)
         return False
+
+    def _holder_failed(self, peer: str, doing: str, e: TransportError | ProtocolError) -> None:
+        """Log a holder's failure; one that gave no HTTP answer becomes a suspect (`Membership.failed`)."""
+        log.info("%s from %s failed: %s", doing, peer[:8], e)
+        if isinstance(e, TransportError):
+            self.members.failed(peer, e)
 
     async def _fetch_updates(self, p: int, url: str) -> bool:
         at = self.store.label(p)
@@ -308,9 +312,7 @@ class FragmentSync:
             await self.fetch_fragment(p, url, repair=True)
             return True
         except (TransportError, ProtocolError) as e:
-            log.info("downloading fragment %d from its owner %s failed: %s", p, owner[:8], e)
-            if isinstance(e, TransportError):
-                self.members.failed(owner, e)
+            self._holder_failed(owner, f"downloading fragment {p} from its owner", e)
             return False
 
     # -- sending --------------------------------------------------------------------------------------------

@@ -91,10 +91,7 @@ class _OneGet(asyncio.BufferedProtocol):
         if self.status != 200:
             return memoryview(self.error_body)[self.received :]
         try:
-            view = self.sink.buffer()[: self.length - self.received]
-            if not len(view):
-                raise Malformed(f"the sink has no room for the {self.length - self.received} bytes still due")
-            return view
+            return self._sink_view()
         except Exception as e:  # noqa: BLE001 - handed to the waiting caller
             self._finish(e)
             return memoryview(self.head)
@@ -135,14 +132,19 @@ class _OneGet(asyncio.BufferedProtocol):
             return
         self.sink.begin(length)
         while len(extra) and self.received < self.length:  # body bytes that came with the head
-            view = self.sink.buffer()
-            n = min(len(view), len(extra), self.length - self.received)
-            if not n:
-                raise Malformed("the sink has no room for the answer's first bytes")
+            view = self._sink_view()
+            n = min(len(view), len(extra))
             view[:n] = extra[:n]
             self.sink.advance(n)
             self._count(n)
             extra = extra[n:]
+
+    def _sink_view(self) -> memoryview:
+        """Where the sink takes the next body bytes, never past the Content-Length."""
+        view = self.sink.buffer()[: self.length - self.received]
+        if not len(view):
+            raise Malformed(f"the sink has no room for the {self.length - self.received} bytes still due")
+        return view
 
     def _count(self, n: int) -> None:
         self.received += n
