@@ -40,11 +40,16 @@ class BodySink(Protocol):
     def end(self) -> None: ...
 
 
+def _decimal(text: str) -> bool:
+    """ASCII digits only: `str.isdigit` also takes '²' and other digits `int` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_head(head: bytes) -> tuple[int, int]:
     """(status, content length) of an HTTP/1.1 answer's status line and headers (without the blank line)."""
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not _decimal(parts[1]):
         raise Malformed(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
     headers: dict[str, str] = {}
     for line in lines[1:]:
@@ -58,7 +63,7 @@ def parse_head(head: bytes) -> tuple[int, int]:
     if "transfer-encoding" in headers or headers.get("content-encoding", "identity") != "identity":
         raise Malformed("a bulk answer must be sent whole and uncompressed, with a Content-Length")
     length = headers.get("content-length", "")
-    if not length.isdigit():
+    if not _decimal(length):
         raise Malformed("a bulk answer must state its Content-Length")
     return int(parts[1]), int(length)
 

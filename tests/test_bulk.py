@@ -117,6 +117,8 @@ async def scripted_peer(answer: bytes, then_close: bool = True):
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", Malformed, "whole"),
         (b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 3\r\n\r\nabc", Malformed, "whole"),
         (b"HTTP/1.1 200 OK\r\n\r\nabc", Malformed, "Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\nabc", Malformed, "Content-Length"),  # '²' in latin-1
+        (b"HTTP/1.1 2\xb2 OK\r\nContent-Length: 3\r\n\r\nabc", Malformed, "status line"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabc", Malformed, "twice"),
         (b"HTTP/1.1 200 OK\r\nX: " + b"y" * MAX_HEAD, Malformed, "longer than"),
         (b"HTTP/1.1 503 Busy\r\nContent-Length: 9\r\n\r\ntoo busy\n", RemoteError, "too busy"),
@@ -185,8 +187,9 @@ async def test_a_bulk_answers_deadline_counts_its_size():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=300) | st.builds(lambda s, rest: b"HTTP/1.1 " + s.encode() + rest,
-                                          st.sampled_from(["200 OK", "404 x", "2", ""]), st.binary(max_size=80)))
+@given(st.binary(max_size=300) | st.builds(lambda s, rest: b"HTTP/1.1 " + s.encode("latin-1") + rest,
+                                          st.sampled_from(["200 OK", "404 x", "2", "", "2\xb2 OK"]),
+                                          st.binary(max_size=80)))
 def test_any_head_either_parses_or_is_malformed(head):
     try:
         status, length = parse_head(head)
