@@ -1,9 +1,9 @@
 """Who is in the run right now: member records in the DHT, local suspicion, fragment roles (DESIGN §3, §5, §7).
 
 Each peer keeps its record under `run:<id>:members` (subkey = its PeerId, so only it can write it), refreshed
-well inside its TTL. A peer is live while its record is, unless a request to it failed since its last refresh
-(suspected): a killed owner is routed around at once instead of after its TTL. A record of a peer outside an
-allowlist run is ignored. Roles (owner and replicas of each fragment) follow from the live set by rendezvous
+well inside its TTL, and marked `left` when it stops. A peer is live while its record is, unless a request to
+it failed since its last refresh (suspected): a killed owner is routed around at once instead of after its
+TTL. A record of a peer outside an allowlist run is ignored. Roles (owner and replicas of each fragment) follow from the live set by rendezvous
 hashing (`ownership.py`); `on_change` callbacks fire when the live set changes.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -65,6 +66,7 @@ class Membership:
         self.on_change: list[Callable[[], None]] = []
         self._allowed = None if spec.membership == "open" else {peer_id_of(k) for k in (*spec.allowlist, spec.creator)}
         self._live_ids: frozenset[tuple[str, bool]] = frozenset()
+        self._published_until: float | None = None  # our record's expiration, once stored
         self.polls = 0
 
     # -- views ----------------------------------------------------------------------------------------------
@@ -110,7 +112,19 @@ class Membership:
     # -- DHT I/O --------------------------------------------------------------------------------------------
 
     async def publish(self) -> None:
-        await self.dht.store(self.key, self.own_record().encode(), time.time() + self.ttl_s, subkey=self.peer_id)
+        await self._store(self.own_record())
+
+    async def withdraw(self) -> None:
+        """Leaving: store our record once more with `left` set, so readers drop us at their next poll instead
+        of routing to a dead URL until the record expires. Nothing to do if we never stored one."""
+        if self._published_until is not None:
+            await self._store(dataclasses.replace(self.own_record(), left=True))
+
+    async def _store(self, record: MemberRecord) -> None:
+        # (the later expiration wins in the DHT: strictly after the last one, even within a clock tick)
+        expiration = max(time.time() + self.ttl_s, (self._published_until or 0.0) + 1e-3)
+        self._published_until = expiration
+        await self.dht.store(self.key, record.encode(), expiration, subkey=self.peer_id)
 
     async def poll(self) -> None:
         raw = await self.dht.get(self.key, latest=True)
@@ -120,9 +134,12 @@ class Membership:
                 if self._allowed is not None and peer_id not in self._allowed:
                     continue
                 try:
-                    found[peer_id] = Member(peer_id, MemberRecord.decode(value), expiration)
+                    record = MemberRecord.decode(value)
                 except ProtocolError as e:
                     log.debug("ignoring member record of %s: %s", peer_id[:8], e)
+                    continue
+                if not record.left:
+                    found[peer_id] = Member(peer_id, record, expiration)
         self.members = found
         for peer_id, at in list(self.suspects.items()):
             m = found.get(peer_id)

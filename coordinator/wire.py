@@ -213,6 +213,7 @@ class MemberRecord:
     step_time_s: float
     tokens_per_s: float
     synced: bool
+    left: bool = False  # the peer stopped: its last record, so readers drop it before it expires
 
     def encode(self) -> bytes:
         return canonical.packb(self.__dict__)
@@ -225,7 +226,7 @@ class MemberRecord:
             raise Malformed("member record fields are wrong")
         if not isinstance(obj["url"], str) or not isinstance(obj["region"], str):
             raise Malformed("member record url/region must be strings")
-        if not isinstance(obj["client_mode"], bool) or not isinstance(obj["synced"], bool):
+        if not all(isinstance(obj[flag], bool) for flag in ("client_mode", "synced", "left")):
             raise Malformed("member record flags must be bools")
         for name in ("step_time_s", "tokens_per_s"):
             if not isinstance(obj[name], int | float) or isinstance(obj[name], bool):

@@ -149,9 +149,11 @@ class Learner:
         if unset:
             self.swarm.after_sync = self._fill_unset
         self.swarm.start()
+        self._apply_new_versions()
+        self.swarm.offer_ownership()
         if self.spec.synchronous:
             self._rendezvous()
-        self._apply_new_versions()
+            self._apply_new_versions()
         return self
 
     def _fill_unset(self) -> None:

@@ -32,6 +32,7 @@ from diloco.coordinator.version import Version
 from diloco.coordinator.wire import ROUTE_STATUS, MemberRecord
 from diloco.protocol.codecs import get_codec
 from diloco.protocol.dht.node import BootstrapFailed, DHTNode
+from diloco.protocol.errors import ProtocolError
 from diloco.protocol.identity import Identity
 from diloco.protocol.transport import PeerClient, PeerServer, TransportError
 
@@ -42,6 +43,7 @@ ROUTE_REACH = "/v1/reach"
 LARGE_BUFFER_BYTES = 4 << 20
 TRIM_EVERY_S = 20.0
 POOL_KEEP = 4  # idle fragment-sized work buffers kept for reuse (see coordinator.buffers)
+WITHDRAW_S = 2.0  # a stopping peer marks its member record `left` within this long, or leaves it to expire
 
 
 def return_large_buffers_to_os() -> None:
@@ -168,6 +170,22 @@ class Swarm:
             return
         loop.call_soon_threadsafe(self._spawn, self.sync.send_delta(p, live_fragment, base, steps, tokens))
 
+    def offer_ownership(self) -> None:
+        """The training thread has copied the synced fragments into its model: from now on this peer may own
+        fragments (its record says `synced`, and the owners hand theirs over). Not before: taking fragments
+        over (momentum pulls, replication) would compete for the CPU with that copy, and delay the first step."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._become_candidate)
+
+    def _become_candidate(self) -> None:
+        if self.progress.synced or self._stopping is None or self._stopping.is_set():
+            return
+        self.progress.synced = True
+        self._spawn(self.members.publish())  # say so at once, without waiting for the refresh
+        self.members.changed()
+
     def stop(self, timeout: float = 10.0) -> None:
         if self._loop is not None and self._stopping is not None and not self._loop.is_closed():
             with contextlib.suppress(RuntimeError):
@@ -198,10 +216,7 @@ class Swarm:
                 self.after_sync()
             if self.store.unset - self.store.downloading:
                 raise JoinError(f"fragments {sorted(self.store.unset)} were neither downloaded nor filled in")
-            self.progress.synced = True
-            self._spawn(self.members.publish())  # now a candidate owner: say so at once, without waiting
-            self.members.changed()
-            self._ready.set()
+            self._ready.set()  # (`offer_ownership` follows once the model holds what was synced)
             for coro in (self.members.run(), self._watch(), self._trim(),
                          *([self.shard.run()] if self.shard else [])):
                 self._spawn(coro)
@@ -213,6 +228,9 @@ class Swarm:
             for part in (self.shard, self.sync):
                 if part is not None:
                     await part.close()
+            if self.members is not None:  # (after the tasks: none may store a live record after this one)
+                with contextlib.suppress(TransportError, ProtocolError, asyncio.TimeoutError):
+                    await asyncio.wait_for(self.members.withdraw(), WITHDRAW_S)
             if self.dht is not None:
                 await self.dht.stop()
             if self.server is not None:

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -216,3 +218,22 @@ def test_any_bytes_in_any_pieces_either_read_as_the_fragment_sent_or_are_refused
     assert reader.anchor.numel() == numel and len(reader.cert) + 4 + 4 * numel == len(body)
     if honest:
         assert reader.cert == junk[:40] and torch.equal(reader.anchor, values)
+
+
+def test_member_record_encodes_as_the_protocol_example_and_refuses_a_wrong_shape():
+    from diloco.coordinator.wire import MemberRecord
+    from diloco.protocol import canonical
+    from diloco.protocol.errors import Malformed
+
+    record = MemberRecord("http://127.0.0.1:7000", "local", False, 120, 0.05, 20480.0, True)
+    example = (  # docs/protocol.md §7.4
+        "88 ab636c69656e745f6d6f6465 c2 a46c656674 c2 a6726567696f6e a56c6f63616c a473746570 78 "
+        "ab737465705f74696d655f73 cb3fa999999999999a a673796e636564 c3 ac746f6b656e735f7065725f73 "
+        "cb40d4000000000000 a375726c b5687474703a2f2f3132372e302e302e313a37303030")
+    assert record.encode() == bytes.fromhex(example.replace(" ", ""))
+    gone = dataclasses.replace(record, left=True)
+    assert MemberRecord.decode(gone.encode()) == gone
+    fields = dict(record.__dict__)
+    for broken in ({**fields, "left": 1}, {k: v for k, v in fields.items() if k != "left"}):
+        with pytest.raises(Malformed):
+            MemberRecord.decode(canonical.packb(broken))

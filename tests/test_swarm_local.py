@@ -1,7 +1,5 @@
 """Learners in one process (one swarm thread each): the fragment protocol end to end, fast."""
 
-import time
-
 import pytest
 import torch
 
@@ -99,17 +97,42 @@ def test_a_joiner_takes_each_fragment_from_its_owner_and_checks_in_the_dht_only_
 
     gone = max(learners, key=lambda ll: len(ll.learner.swarm.shard.owners))  # owns 2 of the 6 at least
     owned = len(gone.learner.swarm.shard.owners)
-    gone.learner.close()  # stopped without a word: its member record outlives it for a while
+
+    async def killed() -> None:  # a killed process says no goodbye: its member record outlives it for a while
+        pass
+
+    gone.learner.swarm.members.withdraw = killed
+    gone.learner.close()
     survivor = next(ll for ll in learners if ll is not gone)
     late = join(3, via=survivor)
     stats = late.learner.swarm.sync.stats
     assert stats["join_checked_in_dht"] >= owned >= 2, "what the dead owner could not serve is checked"
     assert stats["join_synced_from_owner"] + stats["join_checked_in_dht"] == P
     wait_until(lambda: late.learner.labels >= survivor.learner.labels, 30, "the newest version of all")
-    learners.remove(gone)
 
-    time.sleep(fast_config().member_ttl_s + 1)  # the dead peer's record expires: every owner is alive again
+
+@pytest.mark.timeout(120)
+def test_a_learner_that_stops_is_dropped_at_the_next_poll_and_a_joiner_then_finds_every_owner(fleet):
+    genesis = tiny_run(fragments=6)
+    learners = fleet(genesis, 3)
     wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 3 for ll in learners), 20, "3 live members")
-    healthy = join(4, via=survivor)
-    stats = healthy.learner.swarm.sync.stats
+    for _ in range(2):
+        for ll in learners:
+            ll.train(10)
+    wait_until(lambda: all(v.version > 0 for v in learners[0].learner.labels), 30, "a version of every fragment")
+    P = genesis.spec.fragments
+    leaving = max(learners, key=lambda ll: len(ll.learner.swarm.shard.owners))
+    gone_id = leaving.learner.identity.peer_id
+    leaving.learner.close()
+    rest = [ll for ll in learners if ll is not leaving]
+    # its record was refreshed at most 1 s ago and lives 4 s: gone within 2 s means it was withdrawn (and the
+    # raw poll result is read, not the live set, which also drops a suspect)
+    assert fast_config().member_refresh_s + 2 < fast_config().member_ttl_s
+    wait_until(lambda: all(gone_id not in ll.learner.swarm.members.members for ll in rest), 2, "the record dropped")
+    wait_until(lambda: sorted(p for ll in rest for p in ll.learner.swarm.shard.owners) == list(range(P)), 10,
+               "every fragment owned by one of the two left")
+    late = LocalLearner(genesis, 3, peers=[rest[0].url]).start()
+    learners.append(late)  # (closed by the fixture)
+    stats = late.learner.swarm.sync.stats
     assert stats["join_synced_from_owner"] == P and stats["join_checked_in_dht"] == 0
+    assert late.learner.labels == rest[0].learner.labels
