@@ -265,14 +265,16 @@ class Swarm:
         t0 = time.perf_counter()
         while cfg.peers:
             try:
-                await self.dht.bootstrap(cfg.peers)
+                await self.dht.bootstrap(cfg.peers, lookup=False)
                 break
             except BootstrapFailed as e:
                 if time.perf_counter() - t0 > cfg.bootstrap_wait_s:
                     raise JoinError(f"{e}; check --peers") from None
                 await asyncio.sleep(0.25)
         log.info("join: DHT bootstrapped in %.3fs", time.perf_counter() - t0)
-        reachable, _ = await asyncio.gather(self._reachable(), self.members.poll())
+        # (the DHT's self-lookup fills our routing table while we ask and read: none of them needs the other)
+        reachable, _, _ = await asyncio.gather(self._reachable(), self.members.poll(),
+                                               self.dht.find_node(self.identity.node_id))
         if not reachable:
             raise JoinError(f"other peers cannot reach {self.url}; pass --announce with a reachable address, "
                             "or --client-mode to train without accepting connections")

@@ -141,13 +141,15 @@ class DHTNode:
 
     # -- public API ---------------------------------------------------------------------------------------
 
-    async def bootstrap(self, urls: Iterable[str]) -> None:
-        """Ping the given peers, then look up our own id to fill the routing table."""
+    async def bootstrap(self, urls: Iterable[str], *, lookup: bool = True) -> None:
+        """Ping the given peers, then look up our own id to fill the routing table. With `lookup` false the
+        caller runs that lookup (`find_node(identity.node_id)`) itself, alongside its first requests."""
         results = await asyncio.gather(*(self.ping(u) for u in urls), return_exceptions=True)
         if not any(isinstance(r, NodeInfo) for r in results):
             reasons = "; ".join(str(r) for r in results)
             raise BootstrapFailed(f"none of the bootstrap peers answered ({reasons})")
-        await self.find_node(self.identity.node_id)
+        if lookup:
+            await self.find_node(self.identity.node_id)
 
     async def ping(self, url: str) -> NodeInfo:
         """Ask `url` who it is; a valid answer adds it to the routing table."""
