@@ -256,15 +256,28 @@ def test_envelopes_never_fill_the_signature_cache_and_repeated_records_hit_it():
     import time
 
     from diloco.protocol.dht.records import ValueRecord
-    from diloco.protocol.identity import _verify_cached
+    from diloco.protocol.identity import VERIFIED
 
-    _verify_cached.cache_clear()
+    VERIFIED.clear()
     verifier = EnvelopeVerifier(RUN)
     for i in range(50):
         verifier.open(frame(b"x" * i))
-    assert _verify_cached.cache_info().currsize == 0
+    assert len(VERIFIED) == 0
     record = ValueRecord.create(SENDER, "run:x:members", b"value", time.time() + 60, SENDER.peer_id)
     for _ in range(5):
         ValueRecord.from_wire(record.to_wire())
-    info = _verify_cached.cache_info()
-    assert info.currsize == 1 and info.hits == 4 and info.maxsize <= 2048
+    assert len(VERIFIED) == 1 and VERIFIED.hits == 4 and VERIFIED.size <= 2048
+    forged = record.to_wire() | {"value": b"other"}  # same signer and signature, another message: checked
+    with pytest.raises(BadSignature):
+        ValueRecord.from_wire(forged)
+
+
+def test_the_signature_cache_is_bounded_and_evicts_the_least_recently_seen():
+    from diloco.protocol.identity import RecentDigests
+
+    recent = RecentDigests(3)
+    for key in (b"a", b"b", b"c"):
+        recent.add(key)
+    assert b"a" in recent  # a is now the most recent: b goes first
+    recent.add(b"d")
+    assert len(recent) == 3 and b"b" not in recent and all(k in recent for k in (b"a", b"c", b"d"))
