@@ -3,8 +3,9 @@
 Each peer keeps its record under `run:<id>:members` (subkey = its PeerId, so only it can write it), refreshed
 well inside its TTL, and marked `left` when it stops. A peer is live while its record is, unless a request to
 it failed since its last refresh (suspected): a killed owner is routed around at once instead of after its
-TTL. A record of a peer outside an allowlist run is ignored. Roles (owner and replicas of each fragment) follow from the live set by rendezvous
-hashing (`ownership.py`); `on_change` callbacks fire when the live set changes.
+TTL. A record of a peer outside an allowlist run is ignored. Roles (owner and replicas of each fragment)
+follow from the live set by rendezvous hashing (`ownership.py`); `on_change` callbacks fire when the live
+set changes.
 """
 
 from __future__ import annotations

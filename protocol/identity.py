@@ -65,7 +65,8 @@ def verify_repeated(public_key: bytes, signature: bytes, message: bytes) -> None
     0.4 MiB), since re-verifying identical bytes proves nothing new. Failures are never remembered. Messages
     that never repeat (envelopes: each has its own nonce) must use `verify`: they would only fill the memory,
     as they once did, by up to ~20 MiB over the first minutes of a run."""
-    key = hashlib.sha256(bytes((len(public_key), len(signature))) + public_key + signature + message).digest()
+    _check_sizes(public_key, signature)  # (fixed sizes: the three concatenated are unambiguous)
+    key = hashlib.sha256(public_key + signature + message).digest()
     if key not in VERIFIED:
         _verify(public_key, signature, message)
         VERIFIED.add(key)
@@ -105,11 +106,15 @@ class RecentDigests:
 VERIFIED = RecentDigests(2048)
 
 
-def _verify(public_key: bytes, signature: bytes, message: bytes) -> None:
+def _check_sizes(public_key: bytes, signature: bytes) -> None:
     if len(public_key) != PUBLIC_KEY_BYTES:
         raise Malformed(f"public key must be {PUBLIC_KEY_BYTES} bytes, got {len(public_key)}")
     if len(signature) != SIGNATURE_BYTES:
         raise Malformed(f"signature must be {SIGNATURE_BYTES} bytes, got {len(signature)}")
+
+
+def _verify(public_key: bytes, signature: bytes, message: bytes) -> None:
+    _check_sizes(public_key, signature)
     try:
         Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
     except InvalidSignature:

@@ -281,3 +281,11 @@ def test_the_signature_cache_is_bounded_and_evicts_the_least_recently_seen():
     assert b"a" in recent  # a is now the most recent: b goes first
     recent.add(b"d")
     assert len(recent) == 3 and b"b" not in recent and all(k in recent for k in (b"a", b"c", b"d"))
+
+
+def test_a_repeated_verification_with_a_key_or_signature_of_the_wrong_size_is_malformed():
+    from diloco.protocol.identity import verify_repeated
+
+    for key, sig in ((bytes(300), bytes(64)), (bytes(32), bytes(65)), (b"", b"")):
+        with pytest.raises(Malformed):
+            verify_repeated(key, sig, b"message")
