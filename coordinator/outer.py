@@ -85,6 +85,22 @@ class OuterOptimizer:
             return buf
 
 
+    def momentum_after(self, momentum: Tensor | None, update: Tensor) -> Tensor:
+        """The buffer b' that the step which published `update` (U = −lr·g) left, from the buffer b before it
+        (None: the first step). Nesterov: g = Δ + μ·b' and b' = μ·b + Δ, so b' = (μ·b + g) / (1 + μ); plain
+        momentum: b' = g. What a replica that missed one replication rebuilds at a takeover, from the update
+        every holder received (compressed: b' then carries the codec's error ÷ lr(1 + μ))."""
+        if self.momentum == 0:
+            raise ValueError("no momentum to rebuild: the outer optimizer has momentum 0")
+        with torch.no_grad():
+            g = update.mul(-1.0 / self.lr)
+            if not self.nesterov:
+                return g
+            if momentum is not None:
+                g.add_(momentum, alpha=self.momentum)
+            return g.div_(1.0 + self.momentum)
+
+
 def export_state(momentum: Tensor | None) -> dict[str, Tensor]:
     """The replicable state of one fragment's outer optimizer as plain tensors (safetensors-friendly)."""
     return {} if momentum is None else {"momentum": momentum.detach().to(torch.float32).contiguous()}

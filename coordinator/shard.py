@@ -175,11 +175,17 @@ class Shard:
         label = self.store.label(p)
         kept = self.replica_momentum.pop(p, None)
         frag = self.plan.fragments[p]
-        momentum = kept[1].decode(frag.numel) if kept is not None and kept[0] == label and kept[1] else None
+        momentum, source = None, "fresh"
+        if kept is not None and kept[0] == label:
+            momentum, source = (kept[1].decode(frag.numel), "replica") if kept[1] else (None, "fresh")
+        elif kept is not None and self.outer.momentum != 0:  # the replication of the newest version failed
+            momentum = self._rebuild_momentum(p, kept[0], kept[1].decode(frag.numel) if kept[1] else None)
+            source = "rebuilt" if momentum is not None else "fresh"
+            self.stats["momentum_rebuilt_at_takeover" if momentum is not None else "momentum_not_rebuilt"] += 1
         term = next_term(max(label.term, self.terms_seen[p]), self.members.peer_id)
         self.owners[p] = FragmentOwner(p, frag.numel, frag.embedding_numel, self.codec, self.outer, self.settings,
                                        term, momentum, live, pool=self.pool)
-        self.momentum_source[p] = "replica" if momentum is not None else "fresh"
+        self.momentum_source[p] = source
         if label != GENESIS:
             self.stats["takeovers"] += 1
             if momentum is None:
@@ -188,6 +194,23 @@ class Shard:
                  "kept" if momentum is not None else "fresh")
         if momentum is None and label != GENESIS:
             self._spawn(self._pull_momentum(p, label))
+
+    def _rebuild_momentum(self, p: int, since: Version, momentum: torch.Tensor | None) -> torch.Tensor | None:
+        """The momentum of fragment p's current version, from the one replicated at `since` and the kept
+        updates since then (`OuterOptimizer.momentum_after`); None when those updates are not all kept."""
+        frames = self.store.updates_after(p, since)
+        if not frames:
+            return None
+        numel = self.store.numel(p)
+        try:
+            for frame in frames:
+                env = self.sync.verifier.open(frame, fresh=False)
+                f = UpdateFields.parse(env.fields, len(self.store))
+                momentum = self.outer.momentum_after(momentum, Encoded(self.codec, f.codec, env.payload).decode(numel))
+        except (ProtocolError, ValueError) as e:  # (frames we applied ourselves: not expected)
+            log.info("cannot rebuild the momentum of fragment %d: %s", p, e)
+            return None
+        return momentum
 
     async def _pull_momentum(self, p: int, label: Version) -> None:
         """Taken over without the momentum of this version (member views differed, so the owner replicated

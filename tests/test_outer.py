@@ -63,6 +63,19 @@ def test_the_owners_in_place_update_follows_torch_sgd(lr, momentum, nesterov):
         assert buf is None and expected_buf is None
 
 
+@pytest.mark.parametrize(("lr", "momentum", "nesterov"), [(0.7, 0.9, True), (0.3, 0.5, True), (1.0, 0.9, False)])
+def test_a_missed_momentum_is_rebuilt_from_the_one_before_and_the_published_update(lr, momentum, nesterov):
+    _, deltas, _, _ = sgd_case(2, lr, momentum, nesterov)
+    outer = OuterOptimizer(lr=lr, momentum=momentum, nesterov=nesterov)
+    buf = None
+    for d in deltas:
+        before = None if buf is None else buf.clone()  # what the replica holds from the last replication
+        update = d.clone()
+        buf = outer.update_into(update, buf)  # the owner's step; `update` is what every holder receives
+        rebuilt = outer.momentum_after(before, update)
+        assert torch.allclose(rebuilt, buf, rtol=0, atol=1e-6)
+
+
 def test_plain_sgd_without_momentum_is_theta_minus_lr_delta():
     outer = OuterOptimizer(lr=0.5, momentum=0.0, nesterov=False)
     theta, buf = outer.step(torch.ones(3), torch.tensor([1.0, 2.0, 4.0]))
