@@ -393,6 +393,7 @@ class Swarm:
             "sync": dict(self.sync.stats) if self.sync else {},
             "bytes": counters,
             "bytes_total": self.bytes_total(),
+            "connections_opened": self.client.counters.connections_opened if self.client else 0,
         }
         for fn in self.extra_status:
             out.update(fn())

@@ -52,6 +52,7 @@ class Counters:
 
     served: dict[str, RouteCounter] = field(default_factory=dict)
     sent: dict[str, RouteCounter] = field(default_factory=dict)
+    connections_opened: int = 0  # by the client: climbing in a steady swarm means connections are torn down
 
     def record(self, side: str, route: str, bytes_in: int, bytes_out: int, ok: bool) -> None:
         table = self.served if side == "served" else self.sent
@@ -195,10 +196,16 @@ class PeerClient:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self._limit[0], limit_per_host=self._limit[1])
+            trace = aiohttp.TraceConfig()
+            trace.on_connection_create_end.append(self._opened)
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+                connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False,
+                trace_configs=[trace],
             )
         return self._session
+
+    async def _opened(self, *_: object) -> None:
+        self.counters.connections_opened += 1
 
     async def close(self) -> None:
         if self._session is not None:
@@ -267,6 +274,7 @@ class PeerClient:
         try:
             async with asyncio.timeout(deadline):
                 if sink is not None:
+                    self.counters.connections_opened += 1  # one per bulk answer (`Connection: close`)
                     await get_into(url, path, sink, max_response, tally)
                     out = bytearray()
                 else:

@@ -168,3 +168,34 @@ async def test_four_nodes_in_four_processes(client, tmp_path):
     finally:
         for p in procs:
             p.kill()
+
+
+async def test_a_lookup_that_reaches_its_quorum_early_keeps_its_connections(client, monkeypatch):
+    """An RPC the lookup no longer needs is left to finish: cancelling it mid-flight made aiohttp close the
+    pooled connection (a new TCP handshake for the next RPC, and a reference cycle for the rare full GC)."""
+    slow: set[int] = set()
+    handle = DHTNode._handle
+
+    async def delayed(self, env, request):  # nodes in `slow` answer 0.1 s late
+        if id(self) in slow:
+            await asyncio.sleep(0.1)
+        return await handle(self, env, request)
+
+    monkeypatch.setattr(DHTNode, "_handle", delayed)  # before the nodes bind it to their routes
+    holder = await DHTNode.start(client=client)
+    others = [await DHTNode.start(client=client, bootstrap=[holder.url]) for _ in range(3)]
+    getter, nodes = others[0], [holder, *others]
+    try:
+        assert len(getter.routing.closest(0, 20)) == 3  # alpha = 3: every lookup asks all three at once
+        holder.storage.store(ValueRecord.create(holder.identity, "k", b"v", time.time() + 60))
+        slow.update(id(n) for n in others[1:])  # the holder answers first: the lookup is done before them
+        for _ in range(2):  # every link gets its pooled connection
+            assert await getter.get("k") == b"v"
+            await asyncio.sleep(0.2)
+        opened = client.counters.connections_opened
+        for _ in range(10):
+            assert await getter.get("k") == b"v"
+            await asyncio.sleep(0.2)  # (a lookup's late answers are in before the next one)
+        assert client.counters.connections_opened - opened == 0
+    finally:
+        await stop_all(nodes)

@@ -262,10 +262,22 @@ class DHTNode:
                     if records:
                         values.append(records)
         finally:
-            for task in pending:
-                task.cancel()
+            for task in pending:  # let them answer (see `_finish_in_background`)
+                self._finish_in_background(task)
         closest = sorted((candidates[i] for i in answered), key=lambda n: n.node_id ^ target)[:k]
         return closest, values
+
+    def _finish_in_background(self, task: asyncio.Task) -> None:
+        """An RPC a lookup no longer needs is left to finish (within its deadline) rather than cancelled.
+
+        Cancelling a request already on the wire makes aiohttp close its pooled connection: the next RPC to
+        that node pays a new TCP handshake, and the closed connection leaves a reference cycle (transport,
+        protocol, the error it stored) that only CPython's rare full collection frees. A lookup that reaches
+        its quorum early did this on most polls. The late answer still refreshes the routing table.
+        """
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_ignore_outcome)
 
     def _among_closest(self, target: int, nodes: list[NodeInfo]) -> bool:
         if self.client_mode:
@@ -422,3 +434,9 @@ def _decode_reply(reply: Envelope, op: str) -> dict[str, Any]:
             raise Malformed("store reply must list per-record results")
         out["stored"] = stored
     return out
+
+
+def _ignore_outcome(task: asyncio.Task) -> None:
+    """Retrieve a background RPC's outcome: its failure was already handled (routing) inside `_rpc`."""
+    if not task.cancelled():
+        task.exception()
