@@ -74,6 +74,8 @@ def main() -> None:
         return [statistics.median(col) for col in zip(*rows, strict=True)]
 
     first, warm, last = window(0, 1), window(2, 3), window(9, 11)
+    for tenth in range(10):  # the whole profile, to tell a step during warm-up from a steady climb
+        log(f"tenth {tenth + 1}: median RSS {[round(r / 2**20, 1) for r in window(tenth, tenth + 1)]} MiB")
     growth = [(b - a) / NUMEL for a, b in zip(warm, last, strict=True)]
     print(json.dumps({
         "minutes": args.minutes, "rounds": len(samples), "baseline_rss_mib": round(baseline / 2**20, 1),
