@@ -275,8 +275,7 @@ class DHTNode:
         protocol, the error it stored) that only CPython's rare full collection frees. A lookup that reaches
         its quorum early did this on most polls. The late answer still refreshes the routing table.
         """
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._track(task)
         task.add_done_callback(_ignore_outcome)
 
     def _among_closest(self, target: int, nodes: list[NodeInfo]) -> bool:
@@ -322,7 +321,10 @@ class DHTNode:
             await self._rpc(contact.url, "ping", {}, contact.node_id)  # a failure removes it
 
     def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
+        self._track(asyncio.create_task(coro))
+
+    def _track(self, task: asyncio.Task) -> None:
+        """Keep a background task until it ends; `stop()` cancels what is left."""
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
