@@ -138,7 +138,9 @@ def test_a_learner_that_stops_is_dropped_at_the_next_poll_and_a_joiner_then_find
     learners.append(late)  # (closed by the fixture)
     stats = late.learner.swarm.sync.stats
     assert stats["join_synced_from_owner"] == P and stats["join_checked_in_dht"] == 0
-    assert late.learner.labels == rest[0].learner.labels
+    # The two left may still merge a version after the download (the deltas held for the quorum of three can
+    # reach the quorum of the two left): the joiner then gets it pushed, or from the DHT's record within watch_s.
+    wait_until(lambda: late.learner.labels == rest[0].learner.labels, 10, "the joiner at the versions of the others")
 
 
 @pytest.mark.timeout(120)
