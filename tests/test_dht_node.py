@@ -199,3 +199,36 @@ async def test_a_lookup_that_reaches_its_quorum_early_keeps_its_connections(clie
         assert client.counters.connections_opened - opened == 0
     finally:
         await stop_all(nodes)
+
+
+async def test_a_full_bucket_pings_its_oldest_contact_however_many_lookup_rpcs_are_left_to_finish(client):
+    """Kademlia's liveness check: a newcomer to a full bucket makes us ping its least-recently-seen contact, and
+    a dead one gives its place to the newcomer. The RPCs that lookups leave to finish must not crowd it out."""
+    from diloco.protocol.dht.records import NodeInfo
+    from diloco.protocol.dht.routing import bucket_index
+
+    node = await DHTNode.start(client=client, config=DHTConfig(k=2))
+    with socket.socket() as s:  # a port that refuses connections: where the dead contacts were
+        s.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    ids: list[Identity] = []  # three identities in one bucket of the node's table: two fill it, one arrives
+    while len(ids) < 3:
+        i = Identity.generate()
+        if bucket_index(node.identity.node_id, NodeInfo.create(i, dead_url).node_id) == 159:
+            ids.append(i)
+    dead = [NodeInfo.create(i, dead_url) for i in ids[:2]]
+    for info in dead:
+        assert node.routing.update(info) is None
+    lingering = [asyncio.create_task(asyncio.sleep(60)) for _ in range(64)]
+    for task in lingering:  # as many late answers as 22 lookups can leave behind
+        node._finish_in_background(task)
+    newcomer = await DHTNode.start(ids[2], client=client)
+    try:
+        assert (await newcomer._rpc(node.url, "ping", {}, node.identity.node_id))["node"] == node.info
+        deadline = time.monotonic() + 10
+        while newcomer.identity.node_id not in node.routing and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert newcomer.identity.node_id in node.routing, "the newcomer took the dead contact's place"
+        assert dead[0].node_id not in node.routing and dead[1].node_id in node.routing
+    finally:
+        await stop_all([node, newcomer])

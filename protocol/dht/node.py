@@ -36,6 +36,7 @@ DEFAULT_NETWORK_ID = hashlib.sha256(b"diloco-node/dht/v1").digest()
 MAX_REQUEST = 1024 * 1024
 MAX_REPLY = 4 * 1024 * 1024
 MAX_RECORDS_PER_STORE = 64
+MAX_PINGS = 64  # liveness pings of full buckets' oldest contacts in flight at once
 register_kind("dht", MAX_REQUEST)
 register_kind("dht.reply", MAX_REPLY)
 
@@ -84,6 +85,7 @@ class DHTNode:
         self._replies = EnvelopeVerifier(network_id, kinds={"dht.reply"})
         self._own: dict[tuple[str, str | None], ValueRecord] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._pinging: set[int] = set()  # node ids with a liveness ping in flight (see `_saw`)
         self._maintenance: asyncio.Task | None = None
         self._owns_server = False
         if server is not None:
@@ -313,12 +315,16 @@ class DHTNode:
         if info.client_mode or info.node_id == self.identity.node_id:
             return
         oldest = self.routing.update(info)
-        if oldest is not None and len(self._tasks) < 64:
-            self._spawn(self._check_alive(oldest))
+        if oldest is not None and oldest.node_id not in self._pinging and len(self._pinging) < MAX_PINGS:
+            self._pinging.add(oldest.node_id)  # (counted apart from the other background tasks: the RPCs that
+            self._spawn(self._check_alive(oldest))  # lookups leave to finish must not crowd these out)
 
     async def _check_alive(self, contact: NodeInfo) -> None:
-        with contextlib.suppress(TransportError, ProtocolError):
-            await self._rpc(contact.url, "ping", {}, contact.node_id)  # a failure removes it
+        try:
+            with contextlib.suppress(TransportError, ProtocolError):
+                await self._rpc(contact.url, "ping", {}, contact.node_id)  # a failure removes it
+        finally:
+            self._pinging.discard(contact.node_id)
 
     def _spawn(self, coro) -> None:
         self._track(asyncio.create_task(coro))
