@@ -185,9 +185,11 @@ class _OneGet(asyncio.BufferedProtocol):
                                                     + (f" ({exc})" if exc else "")))
 
 
-async def get_into(url: str, path: str, sink: BodySink, limit: int, tally: Callable[[int], None] | None = None) -> int:
+async def get_into(url: str, path: str, sink: BodySink, limit: int, tally: Callable[[int], None] | None = None,
+                   connected: Callable[[], None] | None = None) -> int:
     """GET `path` from the peer at `url` (http://host:port) into `sink`; returns the body's length.
-    `tally(n)` is told of every n body bytes read, also of an answer that then fails.
+    `tally(n)` is told of every n body bytes read, also of an answer that then fails; `connected()` once the
+    TCP connection is made (each bulk answer has its own: `Connection: close`).
 
     Raises `PeerUnreachable`, `ResponseTooLarge`, `RemoteError` (another status than 200: the sink sees
     nothing), a `ProtocolError` (a malformed head, or the sink's refusal) or `OSError` (no connection).
@@ -198,6 +200,8 @@ async def get_into(url: str, path: str, sink: BodySink, limit: int, tally: Calla
     loop = asyncio.get_running_loop()
     transport, proto = await loop.create_connection(lambda: _OneGet(url, path, sink, limit, tally), parts.hostname,
                                                     parts.port or 80)
+    if connected is not None:
+        connected()
     whole = False
     try:
         received = await proto.done

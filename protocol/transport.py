@@ -204,7 +204,10 @@ class PeerClient:
             )
         return self._session
 
-    async def _opened(self, *_: object) -> None:
+    async def _opened(self, *_: object) -> None:  # (aiohttp's trace hook: pooled connections)
+        self._count_connection()
+
+    def _count_connection(self) -> None:
         self.counters.connections_opened += 1
 
     async def close(self) -> None:
@@ -274,8 +277,7 @@ class PeerClient:
         try:
             async with asyncio.timeout(deadline):
                 if sink is not None:
-                    self.counters.connections_opened += 1  # one per bulk answer (`Connection: close`)
-                    await get_into(url, path, sink, max_response, tally)
+                    await get_into(url, path, sink, max_response, tally, connected=self._count_connection)
                     out = bytearray()
                 else:
                     status, out = await self._aiohttp(method, url, path, body, nbytes, max_response)

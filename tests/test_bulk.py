@@ -196,3 +196,20 @@ def test_any_head_either_parses_or_is_malformed(head):
     except Malformed:
         return
     assert 0 <= status and 0 <= length
+
+
+async def test_every_bulk_answer_counts_one_connection_and_a_refused_one_none(server):
+    import socket
+
+    with socket.socket() as s:  # a port that refuses connections
+        s.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{s.getsockname()[1]}"
+    async with PeerClient(retries=0) as client:
+        for _ in range(3):
+            await client.request("GET", server.url, "/v1/big", sink=Collect())
+        assert client.counters.connections_opened == 3  # `Connection: close`: one each
+        with pytest.raises(PeerUnreachable):
+            await client.request("GET", refused, "/v1/big", sink=Collect())
+        assert client.counters.connections_opened == 3
+        assert await client.request("GET", server.url, "/v1/big") == BIG  # pooled: aiohttp's own connection
+        assert client.counters.connections_opened == 4
