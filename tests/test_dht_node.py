@@ -220,7 +220,7 @@ async def test_a_full_bucket_pings_its_oldest_contact_however_many_lookup_rpcs_a
     for info in dead:
         assert node.routing.update(info) is None
     lingering = [asyncio.create_task(asyncio.sleep(60)) for _ in range(64)]
-    for task in lingering:  # as many late answers as 22 lookups can leave behind
+    for task in lingering:  # 64 late answers (at most alpha − 1 = 2 per lookup): the old shared cap of 64
         node._finish_in_background(task)
     newcomer = await DHTNode.start(ids[2], client=client)
     try:
