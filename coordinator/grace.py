@@ -1,4 +1,4 @@
-"""When to take fragment p's outer step: minimum quorum plus an adaptive grace window (DESIGN §7 "Outer step for p").
+"""When to take fragment p's outer step: minimum quorum plus an adaptive grace window (docs/architecture.md §6.1).
 
 A round of fragment p collects one delta per learner. It is ready when every live learner has reported, or when
 at least K distinct learners have reported and the grace window, fixed at the moment the quorum was reached,

@@ -1,4 +1,4 @@
-"""Who is in the run right now: member records in the DHT, local suspicion, fragment roles (DESIGN §3, §5, §7).
+"""Who is in the run right now: member records in the DHT, local suspicion, fragment roles (docs/architecture.md §2).
 
 Each peer keeps its record under `run:<id>:members` (subkey = its PeerId, so only it can write it), refreshed
 well inside its TTL, and marked `left` when it stops. A peer is live while its record is, unless a request to

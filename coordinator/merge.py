@@ -1,4 +1,4 @@
-"""The merge rule of one fragment's outer step (DESIGN §7 "Merge"): many learners' deltas in, one delta out.
+"""The merge rule of one fragment's outer step (docs/architecture.md §6.2): many learners' deltas in, one delta out.
 
 Pure tensor math, no network and no state. Each contribution is weighted by the tokens behind it and
 discounted by its staleness; non-finite deltas are refused; outlier norms are clipped to c·median; then
@@ -57,7 +57,8 @@ class MergeResult:
 
 
 def token_weight(tokens: int, steps: int, staleness: int = 0) -> float:
-    """w_m = c_tokens·(c_tokens/c_steps) · 1/(1+s)  (Decoupled DiLoCo 2604.21428 token weights; DESIGN §7 discount)."""
+    """w_m = c_tokens·(c_tokens/c_steps) · 1/(1+s): Decoupled DiLoCo 2604.21428 token weights, discounted by
+    staleness (docs/architecture.md §6.2)."""
     return tokens * (tokens / steps) / (1 + staleness)
 
 
@@ -99,7 +100,7 @@ def drop_stale(contributions: Iterable[Contribution], max_staleness: int) -> tup
 
 
 def clip_factors(norms: Sequence[float], c: float) -> list[float]:
-    """Scale s_m = min(1, c·median(‖Δ‖)/‖Δ_m‖): norms above c·median are clipped to it (DESIGN §7)."""
+    """s_m = min(1, c·median(‖Δ‖)/‖Δ_m‖): norms above c·median are clipped to it (docs/architecture.md §6.2)."""
     limit = c * statistics.median(norms)
     return [1.0 if n <= limit else limit / n for n in norms]
 
@@ -149,7 +150,7 @@ def merge(
     out: Tensor | None = None,
     scratch: Tensor | None = None,
 ) -> MergeResult:
-    """Merge the contributions of one fragment (DESIGN §7 "Merge").
+    """Merge the contributions of one fragment (docs/architecture.md §6.2).
 
     `is_embedding` merges the whole fragment with the weighted mean, otherwise RDA is used; a fragment that
     mixes both kinds passes `embedding_numel=Fragment.embedding_numel` instead: its first `embedding_numel`

@@ -1,4 +1,4 @@
-"""Who owns fragment p: rendezvous (highest random weight) hashing over the live members (DESIGN §7 "Ownership").
+"""Who owns fragment p: rendezvous (highest random weight) hashing over the live members (docs/architecture.md §2).
 
 owner(p) is the member with the highest score H(run_id, p, peer_id); the next `replicas` members by score are its
 replicas. Every peer computes the same answer from the same member list, with no coordination, and when a

@@ -1,4 +1,4 @@
-"""The fragment plan: which parameter tensors travel together as fragment p (DESIGN §7 "Fragment plan").
+"""The fragment plan: which parameter tensors travel together as fragment p (docs/architecture.md §5.1).
 
 Tensors are packed whole (never split) into P fragments by greedy balanced bin packing, largest first (the LPT
 rule: each tensor goes to the currently lightest fragment), ties broken by name. The plan depends only on the

@@ -1,4 +1,4 @@
-"""RunSpec: everything the swarm must agree on, and the run id that names it (DESIGN §3).
+"""RunSpec: everything the swarm must agree on, and the run id that names it (docs/architecture.md §2).
 
 The canonical msgpack of the spec is hashed into the run id; the run's creator signs it (the genesis record),
 so a joiner holding the file and the creator's public key knows it trains the run everybody else trains.
@@ -37,14 +37,14 @@ class RunSpec:
     grace_gamma: float = 1.0  # γ
     overlap: float = 10.0  # τ, in inner steps
     grace_cap_s: float = 30.0
-    outer_lr: float = 0.35  # DESIGN says 0.7; 0.35 measured better with RDA + rebase (benchmarks/convergence.py)
+    outer_lr: float = 0.35  # not the paper's 0.7: better with RDA + rebase (docs/architecture.md §6.3)
     outer_momentum: float = 0.9
     codec: str = "int8"
     error_feedback: bool = False
     max_staleness: int = 4
     replicas: int = 1
-    synchronous: bool = False  # the synchronous baseline (DESIGN §8): quorum is every learner, no grace window,
-    # learners block until their previous delta of a fragment is merged and checkpoint at a barrier
+    synchronous: bool = False  # the synchronous baseline (docs/architecture.md §10): quorum is every learner,
+    # no grace window, learners block until their previous delta of a fragment is merged and checkpoint at a barrier
     membership: str = "open"
     allowlist: tuple[bytes, ...] = ()  # raw Ed25519 public keys, for membership "allowlist"
     plan_digest: bytes = b""

@@ -1,4 +1,4 @@
-"""Local checkpoints of a learner (DESIGN §6): safetensors + a JSON manifest with digests, written atomically.
+"""Local checkpoints: safetensors + a JSON manifest with digests, written atomically (docs/architecture.md §5.6).
 
 A checkpoint is either whole and verified or not loaded at all: a truncated, corrupted or edited one is detected
 by digest and refused, and `load_latest` falls back to the next older valid one. Nothing here ever pickles (no

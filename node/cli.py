@@ -441,7 +441,7 @@ def chaos(peers: int, minutes: float, mtbf_s: float, downtime_s: float, mode: st
     """Kill and restart learners on a seeded schedule; compare decoupled with the synchronous baseline.
 
     Runs the same fleet on the same fault schedule in each mode, then once without faults, and reports goodput
-    (DESIGN §8, from the learners' own counters), eval loss at equal tokens, and the invariants (version
+    (docs/architecture.md §10, from the learners' own counters), eval loss at equal tokens, and the invariants (version
     regressions, unloadable checkpoints, lost accepted updates), with the fleet simulator's prediction for the
     same schedule. Writes events.jsonl, metrics.jsonl, summary.json and PNG plots to --out.
     """

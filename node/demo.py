@@ -21,7 +21,7 @@ Summary figures (also the keys of the JSON object printed last with `--json`):
                  reached a published global version. `merged_steps` counts, per fragment, the inner steps behind
                  this learner's deltas that an owner merged into a version (summed over the P fragments);
                  `steps` is the learner's inner steps. Progress still local when the run ends does not count.
-                 (Steps only: `diloco-node chaos` adds DESIGN §8's wall-time accounting.)
+                 (Steps only: `diloco-node chaos` adds the wall-time accounting of docs/architecture.md §10.)
     bytes_sent   sum over learners of the bytes they sent (HTTP requests and responses, all routes)
     wall_s       wall time of the whole demo, from start-up to the last learner's exit
 """

@@ -1,4 +1,4 @@
-"""Large GET answers read by the socket straight into the caller's memory (DESIGN §4; the join of §7.11).
+"""Large GET answers read by the socket straight into the caller's memory (docs/architecture.md §3, §5.4).
 
 A joiner downloads every fragment whole: hundreds of MB, with the peers it downloads from training on the
 same machines. Through aiohttp every socket read lands in a fresh bytes object, runs through its stream

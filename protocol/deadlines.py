@@ -1,4 +1,4 @@
-"""Adaptive deadlines: how long to wait for a peer, learned from how it behaved (DESIGN §4).
+"""Adaptive deadlines: how long to wait for a peer, learned from how it behaved (docs/architecture.md §3).
 
 Each link keeps an EWMA of round-trip latency and of transfer rate. A request of n bytes gets
 `clip(slack · (rtt + n / rate), floor, ceiling)`: a slow intercontinental link earns patience, a dead peer on

@@ -1,4 +1,4 @@
-"""Signed envelopes: the one wire format of every state-changing message (DESIGN §4).
+"""Signed envelopes: the one wire format of every state-changing message (docs/architecture.md §3).
 
     frame = u32 big-endian header_len | header (canonical msgpack map) | signature (64 bytes) | payload
 

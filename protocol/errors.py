@@ -1,7 +1,7 @@
 """Typed protocol errors.
 
 Every error a remote peer can cause derives from `ProtocolError` and carries the HTTP status that the
-transport answers with (DESIGN §4) and a one-line reason a person can act on. Code that decodes bytes
+transport answers with (docs/architecture.md §3) and a one-line reason a person can act on. Code that decodes bytes
 from the network must raise only these, never a bare `ValueError`, `KeyError` or a crash.
 """
 

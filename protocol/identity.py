@@ -1,4 +1,4 @@
-"""Peer identity: Ed25519 keys, PeerIds and key files (DESIGN §3).
+"""Peer identity: Ed25519 keys, PeerIds and key files (docs/architecture.md §2).
 
 A PeerId is the base58 of the SHA-256 of the raw 32-byte public key; a DHT node id is the first 160 bits
 of that same digest. Key files are unencrypted PKCS#8 PEM with mode 0600. This module never loads a key

@@ -1,4 +1,4 @@
-"""HTTP transport: one aiohttp server per peer, and one pooled client (DESIGN §4).
+"""HTTP transport: one aiohttp server per peer, and one pooled client (docs/architecture.md §3).
 
 Every layer registers its routes on the same `PeerServer`, under `/v1/`. Envelope routes verify the signed
 frame while it streams in, before the handler sees it, and map every `ProtocolError` to its HTTP status with

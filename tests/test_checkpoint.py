@@ -1,4 +1,4 @@
-"""Local checkpoints (DESIGN §6): whole and verified, or never loaded."""
+"""Local checkpoints (docs/architecture.md §5.6): whole and verified, or never loaded."""
 
 import ast
 import json

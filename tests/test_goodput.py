@@ -1,4 +1,4 @@
-"""Goodput accounting and the swarm invariants on hand-made incarnation logs (DESIGN §8)."""
+"""Goodput accounting and the swarm invariants on hand-made incarnation logs (docs/architecture.md §10)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Quorum and adaptive grace window (DESIGN §7 "Outer step for p"), on a fake clock."""
+"""Quorum and adaptive grace window (docs/architecture.md §6.1), on a fake clock."""
 
 from __future__ import annotations
 

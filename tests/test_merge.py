@@ -1,4 +1,4 @@
-"""The merge rule (DESIGN §7 "Merge") against its formulas, written out directly in fp64."""
+"""The merge rule (docs/architecture.md §6.2) against its formulas, written out directly in fp64."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rendezvous ownership (DESIGN §7 "Ownership"): stable, deterministic, never a client-mode peer."""
+"""Rendezvous ownership (docs/architecture.md §2): stable, deterministic, never a client-mode peer."""
 
 from __future__ import annotations
 

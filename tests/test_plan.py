@@ -1,4 +1,4 @@
-"""The fragment plan: deterministic, balanced greedy packing of whole tensors (DESIGN §7 "Fragment plan")."""
+"""The fragment plan: deterministic, balanced greedy packing of whole tensors (docs/architecture.md §5.1)."""
 
 from __future__ import annotations
 

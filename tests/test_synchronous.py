@@ -1,4 +1,4 @@
-"""The synchronous baseline (DESIGN §8) in the same code: strict quorum, learners wait for their merges."""
+"""The synchronous baseline in the same code (docs/architecture.md §10): strict quorum, learners wait for merges."""
 
 import threading
 

@@ -1,4 +1,4 @@
-"""The network-free core of the Kademlia DHT (DESIGN §5): routing table, signed records, value storage.
+"""The network-free core of the Kademlia DHT (docs/architecture.md §4): routing table, signed records, value storage.
 
 The networked node (RPC handlers, iterative lookups) is built on these three modules and adds all I/O.
 """

@@ -1,4 +1,4 @@
-"""The networked Kademlia node: RPC handlers and iterative lookups over `POST /v1/dht` (DESIGN §5).
+"""The networked Kademlia node: RPC handlers and iterative lookups over `POST /v1/dht` (docs/architecture.md §4).
 
 Requests and replies are both envelopes (`dht` and `dht.reply`), so a reply is proven to come from the node it
 names and to answer this very request (`reply_to` is the request's nonce). Every request carries the sender's

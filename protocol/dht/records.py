@@ -5,9 +5,9 @@ checks every field's type and length and then the signature, raising only `Malfo
 Each signature covers `DOMAIN + canonical.packb(signed fields)` with its own domain, so a signature of one kind
 never verifies as another.
 
-THE value rule (DESIGN §5), stated once in `ValueRecord.verify`: the signer's signature covers (key, subkey,
-value, expiration), and a record under a subkey must be signed by the peer whose PeerId *is* that subkey.
-Plain keys (subkey None) may be written by anyone; the larger expiration wins.
+THE value rule (docs/architecture.md §4), stated once in `ValueRecord.verify`: the signer's signature covers
+(key, subkey, value, expiration), and a record under a subkey must be signed by the peer whose PeerId *is*
+that subkey. Plain keys (subkey None) may be written by anyone; the larger expiration wins.
 
 This module never trusts a field before `from_wire` or `verify` has passed it, and never decides freshness or
 size limits of stored values: that is `storage.DHTStorage`'s job.

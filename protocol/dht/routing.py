@@ -1,4 +1,4 @@
-"""Kademlia routing table: who we know, bucketed by XOR distance from our own node id (DESIGN §5).
+"""Kademlia routing table: who we know, bucketed by XOR distance from our own node id (docs/architecture.md §4).
 
 Layout: 160 fixed buckets, allocated lazily; bucket `i` holds the contacts whose distance `d = id ^ self_id`
 has `d.bit_length() - 1 == i`, i.e. `2**i <= d < 2**(i+1)`. Each bucket keeps at most `k` contacts ordered

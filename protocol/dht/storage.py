@@ -1,4 +1,4 @@
-"""Local storage of DHT values: what this node answers to FIND_VALUE and republishes (DESIGN §5).
+"""Local storage of DHT values: what this node answers to FIND_VALUE and republishes (docs/architecture.md §4).
 
 A key holds two independent namespaces: at most one *plain* record (subkey None, writable by anyone) and a
 dictionary of *subkey* records (each writable only by the peer whose PeerId is the subkey). They never
