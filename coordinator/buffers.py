@@ -29,8 +29,11 @@ class BufferPool:
 
     def take(self, numel: int) -> Tensor:
         """An uninitialised buffer of `numel` elements; hand it back with `give` when done with it."""
-        if numel > self.capacity:
-            return torch.empty(numel, dtype=torch.float32)
+        if numel > self.capacity:  # lent like the others, freed when given back
+            big = torch.empty(numel, dtype=torch.float32)
+            with self._lock:
+                self._lent[id(big)] = (weakref.ref(big), big)
+            return big
         with self._lock:
             buf = self._idle.pop() if self._idle else None
             # views dropped without `give`: forget them (their buffers are freed with them)
@@ -44,15 +47,17 @@ class BufferPool:
         return view
 
     def give(self, view: Tensor | None) -> None:
-        """Return a buffer from `take`; anything else (or None) is ignored, so callers may pass any tensor."""
+        """Return a buffer from `take` (None: nothing to return). Raises `ValueError` for any other tensor, a
+        view of a lent one or one given back twice: a caller that loses track of what it borrowed would
+        otherwise leak buffers, or hand one out twice, without a trace."""
         if view is None:
             return
         with self._lock:
             ref, buf = self._lent.get(id(view), (None, None))
             if ref is None or ref() is not view:
-                return
+                raise ValueError("this tensor was not lent by this pool, or was given back already")
             del self._lent[id(view)]
-            if len(self._idle) < self.keep:
+            if len(self._idle) < self.keep and buf.numel() == self.capacity:
                 self._idle.append(buf)
 
     @contextmanager

@@ -1,10 +1,10 @@
-"""The outer optimizer of one fragment: SGD with Nesterov momentum on the merged delta (DESIGN §7).
+"""The outer optimizer of one fragment: SGD with Nesterov momentum on the merged delta (docs/architecture.md §6.3).
 
 The merged pseudo-gradient Δ = Θ_anchor − θ_local is used as a gradient, exactly as
 `torch.optim.SGD(lr, momentum, nesterov=True)` with `grad = Δ` would use it (DiLoCo 2311.08105, Alg. 1), and the
 arithmetic is the same op for op, so both give the same bits on the same device. `step` is functional: it
 never mutates its inputs. `update_into` is what the owner runs: the same step written as the update
-U = Θ^(v+1) − Θ^(v) = −lr·g, in place. The per-fragment state is one momentum tensor, exported as plain
+U = Θ^(v+1) − Θ^(v) = −lr·g over the merged delta, the new momentum into a buffer of the caller's. The per-fragment state is one momentum tensor, exported as plain
 tensors for replicas and checkpoints. No network, no clocks.
 """
 
@@ -62,28 +62,29 @@ class OuterOptimizer:
                 grad = delta.add(buf, alpha=self.momentum) if self.nesterov else buf
             return OuterStep(theta.add(grad, alpha=-self.lr), buf)
 
-    def update_into(self, delta: Tensor, momentum: Tensor | None = None) -> Tensor | None:
-        """The same step as `step`, as the update U = Θ' − Θ = −lr·g written over `delta`; `momentum` is
-        updated in place (a fresh buffer on the first step) and returned. Needs no Θ and allocates nothing
-        after the first step: what an owner runs every round."""
+    def update_into(self, delta: Tensor, momentum: Tensor | None = None, out: Tensor | None = None) -> Tensor | None:
+        """The same step as `step`, as the update U = Θ' − Θ = −lr·g written over `delta`. The new momentum
+        buffer goes into `out` (a fresh tensor when None; `momentum` itself for an in-place step) and is
+        returned; `momentum` is read only. Needs no Θ: what an owner runs every round, into a spare buffer so
+        that its committed momentum stays as it was until the version is published."""
         with torch.no_grad():
             buf = None
             if self.momentum != 0:
                 if momentum is None:
-                    buf = delta.detach().clone()
+                    buf = delta.detach().clone() if out is None else out.copy_(delta)
                 else:
                     if momentum.shape != delta.shape:
                         raise ValueError(
                             f"momentum has shape {tuple(momentum.shape)}, delta {tuple(delta.shape)}"
                         )
-                    buf = momentum.mul_(self.momentum).add_(delta)
+                    buf = torch.mul(momentum, self.momentum, out=out) if out is not None else momentum.mul(self.momentum)
+                    buf.add_(delta)
                 if self.nesterov:
                     delta.add_(buf, alpha=self.momentum)
                 else:
                     delta.copy_(buf)
             delta.mul_(-self.lr)
             return buf
-
 
     def momentum_after(self, momentum: Tensor | None, update: Tensor) -> Tensor:
         """The buffer b' that the step which published `update` (U = −lr·g) left, from the buffer b before it

@@ -1,4 +1,4 @@
-"""One fragment's owner: collect deltas, decide when to step, merge, take the outer step (DESIGN §7).
+"""One fragment's owner: collect deltas, decide when to step, merge, take the outer step (docs/architecture.md §6).
 
 Pure state and tensor math, no network: `coordinator.shard` feeds it deltas and carries its publications.
 Deltas are kept as the codec bytes they arrived in and decoded only at the outer step, so a round of M
@@ -40,16 +40,21 @@ class PendingDelta:
 
 @dataclass
 class Publication:
-    """The result of one outer step: the update to publish and to apply, Θ^(new) = Θ^(base) + update."""
+    """The result of one outer step, not yet the owner's: the update to publish and to apply,
+    Θ^(new) = Θ^(base) + update, and the momentum and error-feedback residual that `commit` makes the
+    owner's once the version is published."""
 
     p: int
     base: Version
     new: Version
     meta: dict
     payload: bytes
-    update: Tensor
+    update: Tensor  # lent by the owner's pool: give it back once applied
     learners: list[str]
     tokens: int
+    batch: list[PendingDelta]
+    momentum: Tensor | None
+    residual: Encoded | None
 
 
 @dataclass(frozen=True)
@@ -84,8 +89,11 @@ class FragmentOwner:
         self.p, self.numel, self.embedding_numel = p, numel, embedding_numel
         self.pool = pool or BufferPool(numel, keep=0)  # keep=0: fresh buffers every time
         self.codec, self.outer, self.settings, self.term = codec, outer, settings, term
-        self.momentum = momentum
+        self.momentum = momentum  # committed: the momentum of the version `label`
         self.residual: Encoded | None = None  # error feedback, kept int8: 1 B/param instead of 4
+        self.label: Version | None = None  # the version whose owner state this is (None: not known yet)
+        self._spare: Tensor | None = None  # the buffer the next step writes its momentum into
+        self.held_back = False  # no step while True (a new owner reaching the newest version first)
         self.pending: dict[str, PendingDelta] = {}
         self.tracker = QuorumTracker(learners, settings.quorum, settings.gamma, settings.tau, settings.cap_s, clock,
                                      strict=settings.strict_quorum)
@@ -119,10 +127,10 @@ class FragmentOwner:
         self.tracker.add(delta.learner)
 
     def ready(self, now: float | None = None) -> bool:
-        return bool(self.pending) and self.tracker.ready(now)
+        return bool(self.pending) and not self.held_back and self.tracker.ready(now)
 
     def deadline(self) -> float | None:
-        return self.tracker.deadline() if self.pending else None
+        return self.tracker.deadline() if self.pending and not self.held_back else None
 
     def take_round(self) -> list[PendingDelta]:
         """End the round: its deltas, for `step`; deltas arriving from now on belong to the next round."""
@@ -132,12 +140,13 @@ class FragmentOwner:
         return batch
 
     def step(self, batch: list[PendingDelta], current: Version) -> Publication:
-        """Merge a round's deltas, take the outer step and encode the update. Touches neither the anchor nor
-        the pending deltas (it may run in a worker thread); the caller applies `Publication.update` once
-        the publication is replicated, then gives it back to the pool.
+        """Merge a round's deltas, take the outer step and encode the update, into buffers of the step's own:
+        nothing the owner holds changes (it runs in a worker thread while the event loop may hand the
+        committed state over). `commit` makes the result the owner's once the version is published;
+        `abandon` puts the round back otherwise (docs/architecture.md §7).
 
         The update is computed as U = −lr·g directly (g the Nesterov gradient of `OuterOptimizer.step`), which
-        is Θ^(v+1) − Θ^(v) without forming Θ^(v+1); the momentum buffer is updated in place."""
+        is Θ^(v+1) − Θ^(v) without forming Θ^(v+1)."""
         contributions = [
             Contribution(functools.partial(self._decode_one, d), d.tokens, d.steps,
                          max(0, current.version - d.base.version), d.learner)
@@ -146,20 +155,24 @@ class FragmentOwner:
         if not contributions:
             raise InvalidContribution(f"no delta for fragment {self.p} in this round")
         pool = self.pool
-        scratch, update = pool.take(self.numel), pool.take(self.numel)
+        committed, residual = self.momentum, self.residual
+        spare = self._spare if self._spare is not None and self._spare is not committed else None
+        scratch, update, decoded = pool.take(self.numel), pool.take(self.numel), pool.take(self.numel)
         try:
             result = merge(contributions, clip_c=self.settings.clip_c, embedding_numel=self.embedding_numel,
                            out=update, scratch=scratch)
-            self.momentum = self.outer.update_into(result.delta, self.momentum)  # result.delta is now U
-            if self.settings.error_feedback and self.residual is not None:
-                update.add_(self.residual.decode(self.numel, out=scratch))
+            momentum = self.outer.update_into(result.delta, committed, out=spare)  # result.delta is now U
+            if self.settings.error_feedback and residual is not None:
+                update.add_(residual.decode(self.numel, out=scratch))
             meta, payload = self.codec.encode(update)
-            decoded = self.codec.decode(meta, payload, max_elements=self.numel, out=pool.take(self.numel))
-            decoded = decoded.reshape(-1)
+            self.codec.decode(meta, payload, max_elements=self.numel, out=decoded)
             if self.settings.error_feedback:
                 # what the codec dropped, carried into the next update; its own int8 rounding (~1/256 of a
                 # residual that is itself ~1/256 of the update) is not carried
-                self.residual = Encoded(RESIDUAL_CODEC, *RESIDUAL_CODEC.encode(update.sub_(decoded)))
+                residual = Encoded(RESIDUAL_CODEC, *RESIDUAL_CODEC.encode(update.sub_(decoded)))
+        except BaseException:
+            pool.give(decoded)
+            raise
         finally:
             pool.give(scratch)
             pool.give(update)
@@ -172,7 +185,34 @@ class FragmentOwner:
             update=decoded,
             learners=[c.learner for c in contributions],
             tokens=result.total_tokens,
+            batch=batch,
+            momentum=momentum,
+            residual=residual,
         )
+
+    def commit(self, pub: Publication) -> None:
+        """The version `pub.new` is published: its momentum and residual become the owner's, in one step
+        (the caller holds the event loop, so a hand-over sees either the old state or this one)."""
+        old = self.momentum
+        self.momentum, self.residual, self.label = pub.momentum, pub.residual, pub.new
+        self._spare = old if old is not pub.momentum else None  # the next step writes into it
+
+    def abandon(self, pub: Publication | None, batch: list[PendingDelta], requeue: bool) -> int:
+        """The round's version was not published: nothing the owner holds has changed. With `requeue` its
+        deltas go back into the next round (unless the same learner has sent a newer one since); otherwise
+        they are dropped and counted. Either way no version names them, so their learners keep that progress
+        in θ and send it again with their next delta. Returns how many were dropped."""
+        if pub is not None and pub.momentum is not None and pub.momentum is not self.momentum:
+            self._spare = pub.momentum  # (scratch: reused by the next step)
+        dropped = 0
+        for d in batch:
+            if not requeue or d.learner in self.pending:
+                dropped += 1
+                continue
+            self.pending[d.learner] = d
+            self.tracker.add(d.learner)
+        self.dropped["abandoned"] += dropped
+        return dropped
 
     def _decode_one(self, d: PendingDelta, out: Tensor | None = None) -> Tensor:
         """Decode (into `out`, if given) and check one delta's size. Raises `Malformed`. The codecs never

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from diloco.coordinator.buffers import BufferPool
@@ -25,19 +26,20 @@ def test_two_buffers_lent_at_once_never_share_memory():
     assert a.data_ptr() != b.data_ptr()
 
 
-def test_give_ignores_what_the_pool_did_not_lend_and_a_second_give():
+def test_give_refuses_what_the_pool_did_not_lend_and_a_second_give():
     pool = BufferPool(10, keep=4)
-    foreign = torch.empty(10)
-    pool.give(foreign)
+    with pytest.raises(ValueError, match="not lent"):
+        pool.give(torch.empty(10))
     pool.give(None)
     a = pool.take(10)
-    assert a.data_ptr() != foreign.data_ptr()
     alias = a.view(2, 5)  # the same memory, another tensor: not what was lent
-    pool.give(alias)
+    with pytest.raises(ValueError, match="not lent"):
+        pool.give(alias)
     b = pool.take(10)
     assert b.data_ptr() != a.data_ptr(), "a buffer still lent must not be lent again"
     pool.give(a)
-    pool.give(a)
+    with pytest.raises(ValueError, match="given back already"):
+        pool.give(a)
     c, d = pool.take(10), pool.take(10)
     assert c.data_ptr() != d.data_ptr()
 

@@ -52,9 +52,12 @@ def test_the_owners_in_place_update_follows_torch_sgd(lr, momentum, nesterov):
     theta, buf = theta0.clone(), None
     for d, want in zip(deltas, expected, strict=True):
         work = d.clone()
-        kept = buf
-        buf = outer.update_into(work, buf)  # work is now U = Θ' − Θ
-        assert kept is None or buf is kept, "the momentum is updated in place"
+        kept = None if buf is None else buf.clone()
+        spare = torch.empty_like(d)
+        new = outer.update_into(work, buf, out=spare)  # work is now U = Θ' − Θ
+        assert new is None or new is spare, "the new momentum goes into the buffer given"
+        assert kept is None or torch.equal(buf, kept), "the momentum read is left as it was"
+        buf = new
         theta += work
         assert torch.allclose(theta, want, rtol=0, atol=1e-6)  # U directly: rounding differs, not the step
     if momentum:

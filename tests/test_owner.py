@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 
@@ -81,6 +83,88 @@ def test_error_feedback_keeps_what_the_codec_dropped_from_the_update():
     for _ in range(3):
         o.offer(delta("a", 0.01 * (1 + torch.rand(1).item()), codec=int4), GENESIS)
         pub = o.step(o.take_round(), GENESIS)
+        o.commit(pub)
         assert o.residual is not None and o.residual.decode(N).abs().max() > 0
         assert len(o.residual.payload) < 4 * N  # kept compressed
         anchor += pub.update
+
+
+def committed_owner(codec=None) -> FragmentOwner:
+    """An owner with int4 (lossy: a residual) that has committed one round, so it holds momentum and residual."""
+    codec = codec or get_codec("int4")
+    o = FragmentOwner(0, N, 0, codec, OuterOptimizer(0.7, 0.9), OwnerSettings(quorum=2), term=3,
+                      learners={"a", "b"})
+    o.offer(delta("a", 1.0, codec=codec), GENESIS)
+    o.offer(delta("b", 0.5, codec=codec), GENESIS)
+    o.commit(o.step(o.take_round(), GENESIS))
+    assert o.momentum is not None and o.residual is not None and o.label == Version(3, 1)
+    return o
+
+
+def test_an_outer_step_changes_no_owner_state_until_its_version_is_committed():
+    int4 = get_codec("int4")
+    o = committed_owner(int4)
+    momentum, residual = o.momentum.clone(), bytes(o.residual.payload)
+    o.offer(delta("a", 2.0, base=Version(3, 1), codec=int4), Version(3, 1))
+    o.offer(delta("b", 1.0, base=Version(3, 1), codec=int4), Version(3, 1))
+    pub = o.step(o.take_round(), Version(3, 1))
+    assert torch.equal(o.momentum, momentum), "the step wrote the owner's momentum before the version existed"
+    assert bytes(o.residual.payload) == residual and o.label == Version(3, 1)
+    assert not torch.equal(pub.momentum, momentum)
+    o.commit(pub)
+    assert o.momentum is pub.momentum and o.residual is pub.residual and o.label == Version(3, 2)
+
+
+def test_an_abandoned_round_leaves_the_owner_as_it_was_and_its_deltas_go_to_the_next_round():
+    int4 = get_codec("int4")
+    o = committed_owner(int4)
+    momentum, residual = o.momentum.clone(), bytes(o.residual.payload)
+    a, b = delta("a", 2.0, base=Version(3, 1), codec=int4), delta("b", 1.0, base=Version(3, 1), codec=int4)
+    o.offer(a, Version(3, 1))
+    o.offer(b, Version(3, 1))
+    batch = o.take_round()
+    pub = o.step(batch, Version(3, 1))
+    newer_b = delta("b", 3.0, base=Version(3, 1), codec=int4)
+    o.offer(newer_b, Version(3, 1))  # b sent again while the round was out: its newer delta stands
+    assert o.abandon(pub, batch, requeue=True) == 1
+    assert torch.equal(o.momentum, momentum) and bytes(o.residual.payload) == residual
+    assert o.pending == {"a": a, "b": newer_b} and o.ready()
+    again = o.step(o.take_round(), Version(3, 1))  # the same round, redone from the committed state
+    assert again.new == Version(3, 2) and sorted(again.learners) == ["a", "b"]
+    o.offer(a, Version(3, 1))
+    assert o.abandon(again, o.take_round(), requeue=False) == 1 and o.dropped["abandoned"] == 2
+    assert not o.pending
+
+
+class PausingCodec:
+    """The run's codec, stopping inside the step's encode (after the momentum is computed) until released."""
+
+    def __init__(self, codec) -> None:
+        self.codec, self.name = codec, codec.name
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def encode(self, tensor):
+        self.inside.set()
+        assert self.release.wait(10), "the test never released the step"
+        return self.codec.encode(tensor)
+
+    def __getattr__(self, name):
+        return getattr(self.codec, name)
+
+
+def test_what_a_hand_over_reads_during_a_step_is_the_committed_momentum():
+    int4 = get_codec("int4")
+    o = committed_owner(int4)
+    committed = o.momentum.clone()
+    o.offer(delta("a", 2.0, base=Version(3, 1), codec=int4), Version(3, 1))
+    o.offer(delta("b", 1.0, base=Version(3, 1), codec=int4), Version(3, 1))
+    o.codec = pausing = PausingCodec(int4)
+    worker = threading.Thread(target=o.step, args=(o.take_round(), Version(3, 1)))
+    worker.start()
+    try:
+        assert pausing.inside.wait(10), "the step never reached its encode"
+        handed = o.momentum.clone()  # what Shard._release sends while the step runs in its worker thread
+    finally:
+        pausing.release.set()
+        worker.join(10)
+    assert torch.equal(handed, committed), "a hand-over during a step carried a momentum no version has"
