@@ -1,8 +1,9 @@
-"""The anchors: the last global version Θ_p of every fragment this peer holds, with its label (DESIGN §6, §7).
+"""The anchors: the last global version Θ_p of every fragment this peer holds, with its label (docs/architecture.md §5.3, §8).
 
 One store per peer, shared by the learner and the syncer shard (which, as owner or replica, advances the anchor
 by the very update bytes it publishes). Every anchor change goes through `advance` or `install` under one lock,
-so the training thread never reads a half-written fragment, and a label never moves backwards. The update
+so the training thread never reads a half-written fragment, and a label never moves backwards; nothing is hashed
+under that lock (the training thread takes it at every step boundary). The update
 frames of the last few versions are kept, so a learner that missed one can catch up without a full download.
 
 What the learner does with a new version (the rebase rule). Its live fragment is θ[p] = Θ_p + (local
@@ -17,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,12 +66,13 @@ class Held:
     anchor: Tensor  # flat fp32
     label: Version = GENESIS
     cert: bytes = b""  # envelope prefix (header + signature) of the update whose result is `anchor`
+    generation: int = 0  # bumped by every write of `anchor` (see `FragmentStore.read`)
     updates: deque[tuple[Version, Version, bytes]] = field(default_factory=lambda: deque(maxlen=KEEP_UPDATES))
 
 
 @dataclass
 class Changes:
-    """θ[p] := Θ_p for p in `replace` (installed whole: copy the anchor under the store's lock);
+    """θ[p] := Θ_p for p in `replace` (installed whole: copied by `take_changes` itself);
     θ[p] += Σ moves[p] (the rebase rule); `labels`: the versions θ is based on afterwards."""
 
     replace: set[int]
@@ -120,14 +122,16 @@ class FragmentStore:
 
     def advance(
         self, p: int, base: Version, new: Version, update: Tensor, frame: bytes, cert: bytes,
-        expect_digest: bytes | None = None, contributors: tuple[str, ...] | list[str] = (),
-        move: Move | None = None,
+        contributors: tuple[str, ...] | list[str] = (), move: Move | None = None,
+        result: Tensor | None = None, generation: int | None = None,
     ) -> None:
         """Θ_p := Θ_p + update, moving the label from `base` to `new`; refuses anything but the next step.
 
-        With `expect_digest` (the owner's SHA-256 of Θ_p^(new)), the result must match it bit for bit, or
-        nothing changes and `DigestMismatch` says the fragment needs a full download. `move` is `update` as
-        the learner will apply it (its encoded form, to keep pending moves small); default `update` itself.
+        `result`: Θ_p^(new) already computed (and checked against the owner's digest) by the caller, outside
+        the lock, from the anchor of `generation` (see `read`); it is copied in unless the anchor has been
+        written since, which raises `StaleVersion`. Hashing never happens under this lock: the training
+        thread waits on it at every step boundary. `move` is `update` as the learner will apply it (its
+        encoded form, to keep pending moves small); default `update` itself.
         """
         with self.lock:
             held = self.held[p]
@@ -137,14 +141,13 @@ class FragmentStore:
                 raise StaleVersion(f"fragment {p} is at {held.label}, the update applies to {base}")
             if not new > base:
                 raise StaleVersion(f"update to {new} does not move fragment {p} forward from {base}")
-            if expect_digest is not None:
-                # into `update`'s own buffer when the learner gets `move` instead (a + b == b + a, bit for bit)
-                result = update.reshape(-1).add_(held.anchor) if move is not None else held.anchor + update.reshape(-1)
-                if anchor_digest(result) != expect_digest:
-                    raise DigestMismatch(f"fragment {p} at {new} differs from the owner's; downloading it whole")
-                held.anchor.copy_(result)
+            if result is not None:
+                if generation != held.generation:
+                    raise StaleVersion(f"fragment {p} was written while its update to {new} was checked")
+                held.anchor.copy_(result.reshape(-1))
             else:
                 held.anchor.add_(update.reshape(-1))
+            held.generation += 1
             held.label, held.cert = new, cert
             self._accepted(p, new)
             if self.keep_frames is None or p in self.keep_frames:
@@ -159,14 +162,23 @@ class FragmentStore:
             if p not in self.replaced:
                 self.pending.setdefault(p, []).extend(moves)
 
-    def install(self, p: int, anchor: Tensor, label: Version, cert: bytes, *, repair: bool = False,
-                adopt: bool = False) -> None:
-        """Replace the whole anchor (a joiner's download, or a learner that fell too far behind). `repair`
-        also replaces an anchor of the same label whose bytes differ from the certified ones. `adopt`: keep
-        `anchor` itself (a fresh tensor the caller hands over) instead of copying it."""
+    def read(self, p: int) -> tuple[Tensor, Version, int]:
+        """(anchor, label, generation) of fragment p, for reading the anchor outside the lock: only the swarm's
+        event loop writes anchors, each write bumps the generation, so a result computed from this anchor is
+        committed only if the generation is still the same (`advance`, `install`)."""
         with self.lock:
             held = self.held[p]
-            same = repair and label == held.label and anchor_digest(held.anchor) != anchor_digest(anchor)
+            return held.anchor, held.label, held.generation
+
+    def install(self, p: int, anchor: Tensor, label: Version, cert: bytes, *, repair_of: int | None = None,
+                adopt: bool = False) -> None:
+        """Replace the whole anchor (a joiner's download, or a learner that fell too far behind).
+        `repair_of`: the generation of an anchor of the same label that the caller found to differ from the
+        certified bytes (`read`, then its digest): that one is replaced too, if not written since. `adopt`:
+        keep `anchor` itself (a fresh tensor the caller hands over) instead of copying it."""
+        with self.lock:
+            held = self.held[p]
+            same = repair_of is not None and label == held.label and repair_of == held.generation
             if not (label > held.label or same):
                 raise StaleVersion(f"fragment {p} is already at {held.label}, not installing {label}")
             if anchor.numel() != held.anchor.numel():
@@ -175,6 +187,7 @@ class FragmentStore:
                 held.anchor = anchor
             else:
                 held.anchor.copy_(anchor.reshape(-1))
+            held.generation += 1
             held.label, held.cert = label, cert
             self.unset.discard(p)
             self._accepted(p, label)
@@ -206,6 +219,7 @@ class FragmentStore:
             if p not in self.unset or p in self.downloading:
                 return False
             self.held[p].anchor.copy_(values.reshape(-1))
+            self.held[p].generation += 1
             self.unset.discard(p)
             return True
 
@@ -317,13 +331,18 @@ class FragmentStore:
             out, self.accepted = (self.accepted or []), ([] if self.accepted is not None else None)
             return out
 
-    def take_changes(self) -> Changes:
-        """For the training thread, at a step boundary: what to do to θ, and the labels θ is then based on."""
+    def take_changes(self, copy_replaced: Callable[[int, Tensor], None]) -> Changes:
+        """For the training thread, at a step boundary: what to do to θ, and the labels θ is then based on.
+
+        `copy_replaced(p, anchor)` writes each fragment installed whole into θ, inside the same critical
+        section: an update landing after it goes into the next changes, never into both the copy and the
+        moves (θ would get it twice)."""
         with self.lock:
             out = Changes(self.replaced, self.pending, [h.label for h in self.held])
+            for p in sorted(self.replaced):
+                copy_replaced(p, self.held[p].anchor)
             self.pending, self.replaced = {}, set()
             return out
-
 
 
 def _plain_fp32(t: Tensor) -> bool:

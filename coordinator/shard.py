@@ -1,4 +1,4 @@
-"""The syncer shard: this peer's share of the outer optimization (DESIGN §7).
+"""The syncer shard: this peer's share of the outer optimization (docs/architecture.md §6).
 
 For every fragment this peer owns it takes deltas (`POST /v1/delta`), steps when the quorum and grace window
 say so, replicates the new state to the fragment's replicas (`POST /v1/replicate`), applies the published
@@ -33,7 +33,7 @@ from .buffers import BufferPool
 from .fragments import DigestMismatch, Encoded, FragmentStore, anchor_digest
 from .membership import Membership
 from .outer import OuterOptimizer
-from .owner import FragmentOwner, OwnerSettings, PendingDelta
+from .owner import FragmentOwner, OwnerSettings, PendingDelta, Publication
 from .plan import FragmentPlan
 from .runspec import RunSpec
 from .sync import STATEFUL_POST_FLOOR_S, FragmentSync
@@ -50,6 +50,7 @@ from .wire import (
     ReplicateFields,
     UpdateFields,
     frag_key,
+    path_fragment,
 )
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,11 @@ TERM_SLOTS = 1 << 16
 
 
 ROUTE_MOMENTUM = "/v1/momentum/{p}"
+
+
+def momentum_body_max(numel: int) -> int:
+    """The longest body GET /v1/momentum/{p} may answer: fp32 (a full replication) is the largest form."""
+    return 4 + 4096 + 4 * numel
 
 
 def _split_momentum(body: bytes) -> tuple[dict, bytes]:
@@ -158,18 +164,53 @@ class Shard:
         live = self.members.live_learners()
         me = self.members.peer_id
         holding: set[int] = set()
+        taken: list[int] = []
         for p in range(len(self.store)):
             roles = self.members.roles(p)
             if me in roles:
                 holding.add(p)
             if roles and roles[0] == me and p not in self.owners:
                 self._acquire(p, live)
+                taken.append(p)
             elif (not roles or roles[0] != me) and p in self.owners:
                 self._release(p, roles[0] if roles else None)
             if p in self.owners:
                 self.owners[p].tracker.set_expected(live)
         self.store.keep_frames = holding
+        if taken:
+            self._spawn(self._reach_newest(taken))
         self._poke()
+
+    async def _reach_newest(self, taken: list[int]) -> None:
+        """A new owner steps only from the highest version any live member holds. A killed owner may have
+        pushed its last version to some learners and to no replica: stepping from an older one would fork the
+        fragment, and the deltas merged into that version would be lost (docs/architecture.md §6.6)."""
+        try:
+            above = await self.sync.held_above(taken)
+            for p, (target, holders) in sorted(above.items()):
+                owner = self.owners.get(p)
+                if owner is None:
+                    continue
+                since = self.store.label(p)
+                reached = await self.sync.reach(p, holders, target)
+                self.stats["takeover_reached_newest" if reached else "takeover_newest_unreachable"] += 1
+                if self.owners.get(p) is not owner or self.store.label(p) == since:
+                    continue
+                # the momentum of the version reached: rebuilt from ours and the kept updates since, if we can
+                momentum = None
+                if owner.momentum is not None and owner.label == since and self.outer.momentum != 0:
+                    momentum = self._rebuild_momentum(p, since, owner.momentum)
+                owner.momentum, owner.label = momentum, self.store.label(p)
+                self.momentum_source[p] = "rebuilt" if momentum is not None else "fresh"
+                log.info("fragment %d: taken over at %s, reached %s held by %s", p, since, self.store.label(p),
+                         holders[0][:8])
+                if momentum is None:
+                    self._spawn(self._pull_momentum(p, self.store.label(p)))
+        finally:
+            for p in taken:
+                if (owner := self.owners.get(p)) is not None:
+                    owner.held_back = False
+            self._poke()
 
     def _acquire(self, p: int, live: set[str]) -> None:
         label = self.store.label(p)
@@ -185,6 +226,8 @@ class Shard:
         term = next_term(max(label.term, self.terms_seen[p]), self.members.peer_id)
         self.owners[p] = FragmentOwner(p, frag.numel, frag.embedding_numel, self.codec, self.outer, self.settings,
                                        term, momentum, live, pool=self.pool)
+        self.owners[p].label = label
+        self.owners[p].held_back = True  # until `_reach_newest` has compared our version with the others
         self.momentum_source[p] = source
         if label != GENESIS:
             self.stats["takeovers"] += 1
@@ -214,7 +257,9 @@ class Shard:
 
     async def _pull_momentum(self, p: int, label: Version) -> None:
         """Taken over without the momentum of this version (member views differed, so the owner replicated
-        to another peer): ask the other live members for it (GET /v1/momentum/{p}?label=T.V)."""
+        to another peer): ask the other live members for it (GET /v1/momentum/{p}?label=T.V), one after the
+        other until one has it; a member that fails or answers something malformed is passed over."""
+        numel = self.store.numel(p)
         for m in self.members.live():
             owner = self.owners.get(p)
             if owner is None or owner.momentum is not None or self.store.label(p) != label:
@@ -223,24 +268,40 @@ class Shard:
                 continue
             try:
                 body = await self.client.request("GET", m.url, f"/v1/momentum/{p}?label={label}", deadline_s=10.0,
-                                                 max_response=self.store.numel(p) * 4 + 4096)
-            except TransportError:
+                                                 max_response=momentum_body_max(numel))
+                meta, payload = _split_momentum(body)
+                momentum = Encoded(self._momentum_codec(meta), meta, payload).decode(numel)
+            except RemoteError as e:
+                if e.status != 404:
+                    log.info("momentum pull of fragment %d from %s refused: %s", p, m.peer_id[:8], e)
                 continue
-            meta, payload = _split_momentum(body)
-            momentum = Encoded(self.codec, meta, payload).decode(self.store.numel(p))
-            if owner.momentum is None and self.store.label(p) == label:
-                owner.momentum = momentum
+            except (TransportError, ProtocolError) as e:
+                log.info("momentum pull of fragment %d from %s failed: %s", p, m.peer_id[:8], e)
+                self.stats["momentum_pull_failures"] += 1
+                continue
+            if self.owners.get(p) is owner and owner.momentum is None and self.store.label(p) == label:
+                owner.momentum, owner.label = momentum, label
                 self.momentum_source[p] = "pulled"
                 self.stats["momentum_pulled_after_takeover"] += 1
             return
 
+    def _momentum_codec(self, meta: dict) -> Codec:
+        """A replicated momentum travels in the run's codec (an ordinary replication) or in fp32 (a full
+        replication or hand-over): docs/protocol.md §7.15. Anything else is `Malformed`."""
+        name = meta.get("codec")
+        if name == self.codec.name:
+            return self.codec
+        if name == "fp32":
+            return get_codec("fp32")
+        raise Malformed(f"momentum meta names codec {name!r}; this run's momentum is {self.codec.name!r} or fp32")
+
     async def _serve_momentum(self, request: web.Request) -> web.Response:
-        """GET /v1/momentum/{p}?label=T.V: the replicated momentum of that version, if this peer holds it."""
-        raw = request.match_info["p"]
-        if not raw.isdigit() or int(raw) >= len(self.store):
-            raise Malformed(f"no fragment {raw!r}")
-        kept = self.replica_momentum.get(int(raw))
-        if kept is None or kept[1] is None or str(kept[0]) != request.query.get("label"):
+        """GET /v1/momentum/{p}?label=T.V: the replicated momentum of that version, if this peer holds it, in
+        the codec it arrived in."""
+        p = path_fragment(request.match_info["p"], len(self.store))
+        label = Version.parse(request.query.get("label", ""))
+        kept = self.replica_momentum.get(p)
+        if kept is None or kept[1] is None or kept[0] != label:
             return web.Response(status=404, text="no replicated momentum of that version here\n")
         head = canonical.packb(kept[1].meta)
         return web.Response(body=struct.pack(">I", len(head)) + head + bytes(kept[1].payload))
@@ -249,8 +310,13 @@ class Shard:
         owner = self.owners.pop(p)
         self.stats["deltas_dropped_on_handoff"] += len(owner.pending)
         log.info("no longer owner of fragment %d (new owner %s)", p, (new_owner or "none")[:8])
-        if new_owner is not None and owner.momentum is not None and self.store.label(p) != GENESIS:
-            self._spawn(self._send_full(p, new_owner, owner.term, owner.momentum))
+        if new_owner is None or owner.momentum is None:
+            return
+        # A committed snapshot, taken now: the anchor and the momentum of one version. A step still running
+        # writes only its own buffers, and a popped owner never commits again.
+        anchor, label, cert = self.store.snapshot(p)
+        if label != GENESIS and label == owner.label:
+            self._spawn(self._send_full(p, new_owner, owner.term, owner.momentum, cert, anchor))
 
     # -- the outer step -------------------------------------------------------------------------------------
 
@@ -290,37 +356,60 @@ class Shard:
                 owner.tracker.observe_step_time(times[len(times) // 2])
 
     async def _step(self, p: int, owner: FragmentOwner) -> None:
+        """One owner round as a transaction (docs/architecture.md §7): the step computes the new anchor, momentum
+        and residual into buffers of its own; they become the owner's and the store's together, with the new
+        (term, version), once the replicas hold them and nothing newer arrived meanwhile. On any other outcome
+        nothing changes and the round's deltas go back into the next round (or are dropped and counted once
+        this peer no longer owns p)."""
         t0 = time.monotonic()
         label = self.store.label(p)
         if label.term > owner.term:  # another peer owned p meanwhile (views differed): publish above its term
             owner.term = next_term(label.term, self.members.peer_id)
-        pub = await asyncio.to_thread(owner.step, owner.take_round(), label)
-        anchor = self.pool.take(self.store.numel(p))
+        batch = owner.take_round()
+        pub, env, replicated = None, None, set()
         try:
-            if not self.store.add_to(p, label, pub.update, out=anchor):  # Θ^(new), exactly as every holder will
-                self.stats["publications_abandoned"] += 1  # another owner's version arrived meanwhile
-                return
-            digest = await asyncio.to_thread(anchor_digest, anchor)
-            fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta, tuple(pub.learners)).to_fields()
-            env = seal(self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
-            frame = env.to_bytes()
-            replicated = await self._replicate(p, owner, env, anchor, pub.new)
-            if self.owners.get(p) is not owner or self.store.label(p) != pub.base:
-                # Lost ownership meanwhile, or another owner's newer version arrived first (views of the member
-                # set differed for a moment): the version with the higher (term, version) stands.
-                self.stats["publications_abandoned"] += 1
-                return
-            self.store.advance(p, pub.base, pub.new, pub.update, frame, env.prefix(), contributors=pub.learners,
-                               move=Encoded(self.codec, pub.meta, pub.payload))
+            pub = await asyncio.to_thread(owner.step, batch, label)
+            published = await self._publish(p, owner, pub)
+            if published is not None:
+                env, replicated = published
         finally:
-            self.pool.give(anchor)
-            self.pool.give(pub.update)
+            if env is None:
+                self.stats["publications_abandoned"] += 1
+                dropped = owner.abandon(pub, batch, requeue=self.owners.get(p) is owner)
+                self.stats["deltas_dropped_abandoned"] += dropped
+            if pub is not None:
+                self.pool.give(pub.update)
+        if env is None:
+            return
         self.outer_steps[p] += 1
         self.stats["outer_steps"] += 1
         await self._push(env, exclude=replicated | {self.members.peer_id})
         owner.tracker.observe_sync_time(time.monotonic() - t0)
         self._spawn(self.members.dht.store(frag_key(self.spec.run_id, p), FragRecord(pub.new).encode(),
                                            time.time() + FRAG_RECORD_TTL_S, subkey=self.members.peer_id))
+
+    async def _publish(self, p: int, owner: FragmentOwner, pub: Publication) -> tuple[Envelope, set[str]] | None:
+        """Certify Θ^(new), hand it to the replicas, then commit the store's anchor and the owner's state in
+        one step of the event loop. None, changing nothing, if another version of p arrived first or this
+        peer lost p meanwhile (views of the member set differed for a moment: the higher (term, version)
+        stands)."""
+        anchor = self.pool.take(self.store.numel(p))
+        try:
+            if not self.store.add_to(p, pub.base, pub.update, out=anchor):  # Θ^(new), as every holder will
+                return None
+            digest = await asyncio.to_thread(anchor_digest, anchor)
+            fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta, tuple(pub.learners)).to_fields()
+            env = seal(self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
+            replicated = await self._replicate(p, owner, env, anchor, pub)
+            if self.owners.get(p) is not owner or self.store.label(p) != pub.base:
+                return None
+            # the commit: no await from here on
+            self.store.advance(p, pub.base, pub.new, pub.update, env.to_bytes(), env.prefix(),
+                               contributors=pub.learners, move=Encoded(self.codec, pub.meta, pub.payload))
+            owner.commit(pub)
+            return env, replicated
+        finally:
+            self.pool.give(anchor)
 
     async def _push(self, env: Envelope, exclude: set[str]) -> None:
         """Send the update to every live learner that accepts connections, a few at a time."""
@@ -342,15 +431,17 @@ class Shard:
     # -- replication ----------------------------------------------------------------------------------------
 
     async def _replicate(self, p: int, owner: FragmentOwner, update: Envelope, anchor: torch.Tensor,
-                         label: Version) -> set[str]:
-        """Hand the new state to the replicas before publishing; returns those that acknowledged."""
+                         pub: Publication) -> set[str]:
+        """Hand the new state (Θ^(new) and the step's momentum, not yet committed) to the replicas before
+        publishing; returns those that acknowledged."""
         replicas = [r for r in self.members.roles(p)[1:] if r != self.members.peer_id]
         if not replicas:
             self.stats["published_without_live_replica"] += 1
             return set()
         frame = update.to_bytes()
-        mmeta, mbytes = self.codec.encode(owner.momentum) if owner.momentum is not None else (None, b"")
-        fields = ReplicateFields(p, owner.term, label, False, len(frame), mmeta).to_fields()
+        momentum = pub.momentum
+        mmeta, mbytes = self.codec.encode(momentum) if momentum is not None else (None, b"")
+        fields = ReplicateFields(p, owner.term, pub.new, False, len(frame), mmeta).to_fields()
 
         async def one(peer: str) -> str | None:
             url = self.members.url(peer)
@@ -361,8 +452,8 @@ class Shard:
                 await self.client.send_envelope(url, ROUTE_REPLICATE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
                 return peer
             except RemoteError as e:
-                if e.status == 409 and owner.momentum is not None:  # the replica is behind: send it everything
-                    full = await self._send_full(p, peer, owner.term, owner.momentum, update.prefix(), anchor)
+                if e.status == 409 and momentum is not None:  # the replica is behind: send it everything
+                    full = await self._send_full(p, peer, owner.term, momentum, update.prefix(), anchor)
                     return peer if full else None
                 self.stats[f"replicate_refused_{e.status}"] += 1
             except TransportError as e:
@@ -404,7 +495,7 @@ class Shard:
         if not f.full:
             update = self.sync.verifier.open(bytes(head), fresh=False)
             try:
-                self.sync.apply_update(update, verify=True)
+                await self.sync.apply_update(update, verify=True)
             except (StaleVersion, DigestMismatch) as e:
                 raise StaleVersion(f"replica cannot apply this update ({e}); send the full state") from None
             momentum = Encoded(self.codec, f.momentum, bytes(rest)) if f.momentum else None
@@ -417,7 +508,7 @@ class Shard:
             cert = self.sync.verifier.certificate(bytes(head))
             uf = UpdateFields.parse(cert.fields, len(self.store))
             anchor = torch.frombuffer(rest[: 4 * numel], dtype=torch.float32)
-            if uf.p != f.p or uf.new != f.label or anchor_digest(anchor) != uf.digest:
+            if uf.p != f.p or uf.new != f.label or await asyncio.to_thread(anchor_digest, anchor) != uf.digest:
                 raise Malformed("full replication does not match its certificate")
             if f.label > self.store.label(f.p):
                 self.store.install(f.p, anchor, f.label, bytes(head))

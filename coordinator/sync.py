@@ -1,5 +1,5 @@
 """Keeping anchors current, the holder's side: receive updates, serve versions, fetch what is missing, and
-send this learner's deltas to the owners (DESIGN §6 "Receive", "Join / rejoin"; §7 "Publish").
+send this learner's deltas to the owners (docs/architecture.md §5.2, §5.4, §5.5, §6.5).
 
 Every version that reaches the store is checked against the owner's certificate: an update must land on the
 bytes the owner certified (`digest`), a downloaded fragment must hash to it. Updates and certificates are
@@ -36,6 +36,7 @@ from .wire import (
     ROUTE_FRAGMENT,
     ROUTE_UPDATE,
     ROUTE_UPDATES,
+    ROUTE_VERSIONS,
     UPDATE,
     DeltaFields,
     FragmentReader,
@@ -44,6 +45,11 @@ from .wire import (
     frag_key,
     fragment_body_max,
     pack_fragment,
+    pack_versions,
+    parse_versions,
+    path_fragment,
+    updates_body_max,
+    versions_body_max,
 )
 
 log = logging.getLogger(__name__)
@@ -84,12 +90,17 @@ class FragmentSync:
             server.add_envelope_route(ROUTE_UPDATE, self.verifier, self._on_update, kinds={UPDATE}, fresh=False)
             server.add_route("GET", ROUTE_FRAGMENT, self._serve_fragment)
             server.add_route("GET", ROUTE_UPDATES, self._serve_updates)
+            server.add_route("GET", ROUTE_VERSIONS, self._serve_versions)
 
     # -- receiving ------------------------------------------------------------------------------------------
 
-    def apply_update(self, env: Envelope, verify: bool | None = None) -> bool:
+    async def apply_update(self, env: Envelope, verify: bool | None = None) -> bool:
         """Apply a verified update envelope; True if it moved the anchor. Raises `StaleVersion` when the
-        update is for a base we do not hold (the caller fetches the gap) and `DigestMismatch` on divergence."""
+        update is for a base we do not hold (the caller fetches the gap) and `DigestMismatch` on divergence.
+
+        A checked update (every DIGEST_EVERY-th version, or `verify`) is added to a copy of the anchor and
+        hashed in a worker thread, outside the store's lock and off the event loop; the result is committed
+        only if the anchor was not written meanwhile."""
         f = UpdateFields.parse(env.fields, self.P)
         held = self.store.label(f.p)
         if not f.new > held:
@@ -103,14 +114,26 @@ class FragmentSync:
         check = verify if verify is not None else f.new.version % DIGEST_EVERY == 0
         with self.pool.borrow(numel) as update:  # (the codecs never decode to non-finite values)
             move.decode(numel, out=update)
-            self.store.advance(f.p, f.base, f.new, update, frame, env.prefix(),
-                               expect_digest=f.digest if check else None, contributors=f.learners, move=move)
+            result = generation = None
+            if check:
+                anchor, label, generation = self.store.read(f.p)
+                if label != f.base:
+                    raise StaleVersion(f"fragment {f.p} is at {label}; this update applies to {f.base}")
+                # into `update`'s own buffer, the learner gets `move` instead (a + b == b + a, bit for bit)
+                result = update.add_(anchor)
+                if await asyncio.to_thread(anchor_digest, result) != f.digest:
+                    raise DigestMismatch(f"fragment {f.p} at {f.new} differs from the owner's; downloading it whole")
+                if self.store.label(f.p) == f.new:
+                    self.stats["updates_already_held"] += 1  # the same update came in meanwhile
+                    return False
+            self.store.advance(f.p, f.base, f.new, update, frame, env.prefix(), contributors=f.learners,
+                               move=move, result=result, generation=generation)
         self.versions_accepted += 1
         return True
 
     async def _on_update(self, env: Envelope, request: web.Request) -> bytes:
         try:
-            self.apply_update(env)
+            await self.apply_update(env)
         except (StaleVersion, DigestMismatch) as e:
             f = UpdateFields.parse(env.fields, self.P)
             self.stats["updates_out_of_order"] += 1
@@ -121,10 +144,7 @@ class FragmentSync:
     # -- serving --------------------------------------------------------------------------------------------
 
     def _fragment_index(self, request: web.Request) -> int:
-        raw = request.match_info["p"]
-        if not raw.isdigit() or int(raw) >= self.P:
-            raise Malformed(f"no fragment {raw!r} in a plan of {self.P}")
-        return int(raw)
+        return path_fragment(request.match_info["p"], self.P)
 
     async def _serve_fragment(self, request: web.Request) -> web.StreamResponse:
         """GET /v1/fragment/{p}: the certified anchor. 404 while we hold only the genesis version."""
@@ -146,15 +166,15 @@ class FragmentSync:
     async def _serve_updates(self, request: web.Request) -> web.Response:
         """GET /v1/updates/{p}?after=T.V: the kept update frames from that version on (404 if not all kept)."""
         p = self._fragment_index(request)
-        try:
-            term, version = (int(x) for x in request.query.get("after", "").split("."))
-            after = Version(term, version)
-        except ValueError:
-            raise Malformed("query 'after' must be TERM.VERSION") from None
+        after = Version.parse(request.query.get("after", ""))
         frames = self.store.updates_after(p, after)
         if frames is None:
             return web.Response(status=404, text=f"updates after {after} of fragment {p} are no longer kept\n")
         return web.Response(body=canonical.packb(frames), content_type="application/octet-stream")
+
+    async def _serve_versions(self, request: web.Request) -> web.Response:
+        """GET /v1/versions: this holder's version of every fragment."""
+        return web.Response(body=pack_versions(self.store.labels()), content_type="application/octet-stream")
 
     # -- fetching -------------------------------------------------------------------------------------------
 
@@ -209,8 +229,9 @@ class FragmentSync:
     async def _fetch_updates(self, p: int, url: str) -> bool:
         at = self.store.label(p)
         try:
+            cap = updates_body_max(self.codec.encoded_size(self.store.numel(p)), KEEP_UPDATES)
             body = await self.client.request("GET", url, f"/v1/updates/{p}?after={at}", idempotent=True,
-                                             retries=0)  # (the next holder is the retry)
+                                             retries=0, max_response=cap)  # (the next holder is the retry)
         except RemoteError as e:
             if e.status == 404:
                 return False
@@ -219,7 +240,7 @@ class FragmentSync:
         if not isinstance(frames, list) or not all(isinstance(f, bytes) for f in frames):
             raise Malformed("updates answer must be a list of frames")
         for frame in frames:
-            self.apply_update(self.verifier.open(frame, fresh=False), verify=True)
+            await self.apply_update(self.verifier.open(frame, fresh=False), verify=True)
         self.stats["caught_up_by_updates"] += 1
         return True
 
@@ -248,11 +269,49 @@ class FragmentSync:
         # event loop keeps receiving meanwhile
         if await asyncio.to_thread(anchor_digest, reader.anchor) != f.digest:
             raise DigestMismatch(f"downloaded fragment {p} does not match its certificate")
-        if f.new > self.store.label(p) or (repair and f.new == self.store.label(p)):
-            with contextlib.suppress(StaleVersion):  # same version, same bytes: nothing to repair
-                self.store.install(p, reader.anchor, f.new, reader.cert, repair=repair, adopt=True)
+        repair_of = None
+        if repair and f.new == self.store.label(p) and p not in self.store.unset:
+            anchor, label, generation = self.store.read(p)  # ours, hashed outside the lock too
+            if label != f.new or await asyncio.to_thread(anchor_digest, anchor) == f.digest:
+                return True  # same version, same bytes (or moved on meanwhile): nothing to repair
+            repair_of = generation
+        if f.new > self.store.label(p) or repair_of is not None:
+            with contextlib.suppress(StaleVersion):  # (another version or write landed meanwhile)
+                self.store.install(p, reader.anchor, f.new, reader.cert, repair_of=repair_of, adopt=True)
                 self.stats["full_downloads"] += 1
         return True
+
+    async def held_above(self, ps: list[int]) -> dict[int, tuple[Version, list[str]]]:
+        """For each fragment of `ps` that a live member holds at a version above ours: the highest such version
+        and the members that hold it (GET /v1/versions of every live member at once, 2 s each; a member that
+        does not answer is passed over)."""
+        members = [m for m in self.members.live()
+                   if m.peer_id != self.members.peer_id and not m.client_mode and m.url]
+
+        async def ask(m) -> tuple[str, list[Version] | None]:
+            try:
+                body = await self.client.request("GET", m.url, ROUTE_VERSIONS, deadline_s=2.0,
+                                                 max_response=versions_body_max(self.P))
+                return m.peer_id, parse_versions(body, self.P)
+            except (TransportError, ProtocolError) as e:
+                log.info("versions of %s unknown: %s", m.peer_id[:8], e)
+                return m.peer_id, None
+
+        best: dict[int, tuple[Version, list[str]]] = {}
+        for peer, versions in await asyncio.gather(*(ask(m) for m in members)):
+            for p in ps if versions is not None else ():
+                v = versions[p]
+                if not v > self.store.label(p):
+                    continue
+                if p not in best or v > best[p][0]:
+                    best[p] = (v, [peer])
+                elif v == best[p][0]:
+                    best[p][1].append(peer)
+        return best
+
+    async def reach(self, p: int, sources: list[str], target: Version) -> bool:
+        """Fetch fragment p up to at least `target` from `sources` first (then the other holders)."""
+        return await self._catch_up(p, sources, target)
 
     async def newest_version(self, p: int) -> tuple[Version, str] | None:
         """The newest version of fragment p announced in the DHT and the peer that announced it (its owner
@@ -339,7 +398,9 @@ class FragmentSync:
             self.store.carry(p, steps, tokens)
             self.pool.give(live_fragment)
             return False
+        residual = None
         if self.feedback is not None:  # the residual carries what the codec dropped; θ[p] gives up all of Δ
+            residual = self.feedback.residual(str(p))
             meta, payload = self.feedback.encode(str(p), delta)
             merged: Move = delta
         else:  # what the codec dropped stays in θ[p] and goes out with the next delta
@@ -348,16 +409,15 @@ class FragmentSync:
             del delta
             self.pool.give(live_fragment)
         carried = self.store.set_outstanding(p, base, merged, steps, tokens)
+        if carried is not None and await self._deliver(p, base, *carried, meta, payload):
+            return True
         if carried is None:
             self.stats["deltas_dropped_moved"] += 1
             self.store.carry(p, steps, tokens)
-            return False
-        steps, tokens = carried
-        if await self._deliver(p, base, steps, tokens, meta, payload):
-            return True
-        self.store.drop_outstanding(p)
-        if self.feedback is not None:
-            self.feedback.reset(str(p))
+        else:
+            self.store.drop_outstanding(p)
+        if self.feedback is not None:  # not delivered: the residual before this encode still stands
+            self.feedback.restore(str(p), residual)
         return False
 
     async def _deliver(self, p: int, base: Version, steps: int, tokens: int, meta: dict, payload: bytes) -> bool:

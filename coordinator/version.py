@@ -1,4 +1,4 @@
-"""Fragment versions: (term, version), ordered lexicographically, that never regress (DESIGN §7 "Versions").
+"""Fragment versions: (term, version), ordered lexicographically, that never regress (docs/architecture.md §2, §6.5).
 
 `version` counts outer steps of a fragment; `term` grows with every ownership takeover. A peer that takes a
 fragment over publishes under a term above every term it has seen (`shard.next_term`: the next block of 2^16,
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from diloco.protocol.canonical import parse_decimal
 from diloco.protocol.errors import Malformed
 
 _MAX = 2**63 - 1
@@ -44,6 +45,17 @@ class Version:
             raise Malformed("a version must be a [term, version] pair")
         try:
             return cls(value[0], value[1])
+        except ValueError as e:
+            raise Malformed(f"bad version: {e}") from None
+
+    @classmethod
+    def parse(cls, text: str) -> Version:
+        """Parse `TERM.VERSION` as written in a URL query (`str(version)`); raises `Malformed`."""
+        term, dot, version = text.partition(".")
+        if not dot:
+            raise Malformed(f"a version must be written TERM.VERSION, got {text[:48]!r}")
+        try:
+            return cls(parse_decimal(term, "a version's term"), parse_decimal(version, "a version number"))
         except ValueError as e:
             raise Malformed(f"bad version: {e}") from None
 

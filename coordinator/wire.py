@@ -1,4 +1,4 @@
-"""The swarm's messages: deltas, updates, replication, fragment downloads and member records (DESIGN §6, §7).
+"""The swarm's messages: deltas, updates, replication, fragment downloads and member records (docs/architecture.md §3).
 
 Each message is a signed envelope (`diloco.protocol.envelope`) whose `fields` are described here; this module
 turns those fields into typed values and refuses anything else with `Malformed`. Tensor payloads are codec
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from diloco.protocol import canonical
-from diloco.protocol.envelope import register_kind
+from diloco.protocol.envelope import MAX_HEADER_BYTES, SIGNATURE_BYTES, register_kind
 from diloco.protocol.errors import Malformed
 
 from .version import Version
@@ -32,6 +32,15 @@ ROUTE_REPLICATE = "/v1/replicate"
 ROUTE_FRAGMENT = "/v1/fragment/{p}"  # GET: u32 cert_len | cert | fp32 anchor
 ROUTE_UPDATES = "/v1/updates/{p}"  # GET ?after=T.V[&wait=S]: canonical list of update frames
 ROUTE_STATUS = "/v1/status"
+ROUTE_VERSIONS = "/v1/versions"  # GET: canonical list of [term, version], one per fragment
+
+
+def path_fragment(raw: str, P: int) -> int:
+    """The fragment index `{p}` of a route's path: ASCII digits, below the plan's P; raises `Malformed`."""
+    p = canonical.parse_decimal(raw, "a fragment index")
+    if p >= P:
+        raise Malformed(f"no fragment {p} in a plan of {P}")
+    return p
 
 
 def _int(fields: dict[str, Any], name: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
@@ -142,6 +151,31 @@ class ReplicateFields:
 
 
 MAX_CERT = 70_000  # bytes of an update certificate in a fragment body, at most
+
+
+def pack_versions(labels: list[Version]) -> bytes:
+    """Body of GET /v1/versions: the holder's version of every fragment, in order."""
+    return canonical.packb([[v.term, v.version] for v in labels])
+
+
+def parse_versions(body: bytes, P: int) -> list[Version]:
+    """Inverse of `pack_versions`, checked: exactly P versions. Raises `Malformed`."""
+    value = canonical.unpackb(body, max_len=versions_body_max(P))
+    if not isinstance(value, list) or len(value) != P:
+        raise Malformed(f"versions answer must list {P} versions")
+    return [Version.from_wire(v) for v in value]
+
+
+def versions_body_max(P: int) -> int:
+    """The longest body GET /v1/versions may answer: P pairs of 64-bit integers."""
+    return 8 + 20 * P
+
+
+def updates_body_max(codec_bytes: int, frames: int) -> int:
+    """The longest body GET /v1/updates/{p} may answer: a canonical list of at most `frames` update envelopes,
+    each carrying `codec_bytes` of payload (the run's codec for the fragment's size: `Codec.encoded_size`)."""
+    frame = 4 + MAX_HEADER_BYTES + SIGNATURE_BYTES + codec_bytes
+    return 8 + frames * (8 + frame)
 
 
 def fragment_body_max(numel: int) -> int:

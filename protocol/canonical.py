@@ -78,3 +78,15 @@ def unpackb(data: bytes | bytearray | memoryview, *, max_len: int = 1 << 20, str
     if packb(obj) != bytes(data):
         raise Malformed("msgpack value is not in canonical form")
     return obj
+
+
+MAX_DECIMAL_DIGITS = 19  # every count, index and term on our routes fits an int64
+
+
+def parse_decimal(text: str, what: str) -> int:
+    """A non-negative integer written in a URL path or query: 1 to 19 ASCII digits, nothing else (`str.isdigit`
+    also takes '²' and '٣', which `int` reads or refuses; 5,000 digits would cost `int` real time). Raises
+    `Malformed` naming `what`."""
+    if not (0 < len(text) <= MAX_DECIMAL_DIGITS and text.isascii() and text.isdigit()):
+        raise Malformed(f"{what} must be 1 to {MAX_DECIMAL_DIGITS} ASCII digits, got {text[:24]!r}")
+    return int(text)

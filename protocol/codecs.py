@@ -1,7 +1,7 @@
 """Tensor codecs: how a float tensor becomes `(meta, payload)` on the wire, and back.
 
 A codec turns a tensor into a small msgpack-able `meta` dict and a payload of raw bytes that is complete on
-its own; `docs/protocol-codecs.md` gives the exact byte layout of each. Decoding reads bytes from the network,
+its own; docs/protocol.md §6 gives the exact byte layout of each. Decoding reads bytes from the network,
 so it validates every field of `meta` and the exact payload length before it allocates anything, and it
 raises only `Malformed` or `TooLarge` (never `IndexError`, `ValueError`, a crash or a huge allocation).
 This module must never unpickle, never trust a length it did not compute itself, and never put a non-finite
@@ -457,6 +457,14 @@ class ErrorFeedback:
     def residual(self, key: str) -> torch.Tensor | None:
         """What the last encode of `key` left out (None before the first encode or after reset)."""
         return self._residuals.get(key)
+
+    def restore(self, key: str, residual: torch.Tensor | None) -> None:
+        """Put back the residual `residual(key)` returned before an encode whose result was never delivered:
+        what it carried has still not reached the receiver (`encode` never writes into the old residual)."""
+        if residual is None:
+            self._residuals.pop(key, None)
+        else:
+            self._residuals[key] = residual
 
     def reset(self, key: str | None = None) -> None:
         """Forget the residual of `key`, or of every key when `key` is None."""

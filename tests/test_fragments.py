@@ -5,13 +5,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco.coordinator.fragments import DigestMismatch, FragmentStore, anchor_digest
+from diloco.coordinator.fragments import FragmentStore, anchor_digest
 from diloco.coordinator.version import GENESIS, Version
 from diloco.protocol.errors import StaleVersion
 
 from .helpers import feed
 
 V1, V2 = Version(0, 1), Version(0, 2)
+
+
+def NO_COPY(p, anchor):  # noqa: N802 - these tests read what is replaced from `Changes.replace`
+    pass
 
 
 def store(n=6):
@@ -22,7 +26,7 @@ def test_a_new_version_moves_theta_by_the_update():
     s = store()
     u = torch.full((6,), 0.5)
     s.advance(0, GENESIS, V1, u, b"f", b"c", contributors=["other"])
-    changes = s.take_changes()
+    changes = s.take_changes(NO_COPY)
     assert len(changes.moves[0]) == 1 and torch.equal(changes.moves[0][0], u)
     assert changes.labels[0] == V1 and not changes.replace
     assert torch.equal(s.held[0].anchor, u)
@@ -34,7 +38,7 @@ def test_a_version_that_merged_our_delta_also_takes_that_progress_out_of_theta()
     assert s.set_outstanding(0, GENESIS, sent, steps=10)
     u = torch.full((6,), 0.2)
     s.advance(0, GENESIS, V1, u, b"f", b"c", contributors=["me", "other"])
-    assert torch.allclose(sum(s.take_changes().moves[0]), u + sent)
+    assert torch.allclose(sum(s.take_changes(NO_COPY).moves[0]), u + sent)
     assert s.merged_steps == 10 and 0 not in s.outstanding
 
 
@@ -49,8 +53,8 @@ def test_moves_of_several_versions_add_up_between_two_steps():
     s = store()
     s.advance(1, GENESIS, V1, torch.ones(6), b"f", b"c")
     s.advance(1, V1, V2, torch.ones(6), b"g", b"d")
-    assert torch.equal(sum(s.take_changes().moves[1]), torch.full((6,), 2.0))
-    assert s.take_changes().moves == {}
+    assert torch.equal(sum(s.take_changes(NO_COPY).moves[1]), torch.full((6,), 2.0))
+    assert s.take_changes(NO_COPY).moves == {}
 
 
 def test_a_whole_download_replaces_theta_and_forgets_the_outstanding_delta():
@@ -58,7 +62,7 @@ def test_a_whole_download_replaces_theta_and_forgets_the_outstanding_delta():
     s.set_outstanding(0, GENESIS, torch.ones(6), 5)
     s.advance(0, GENESIS, V1, torch.ones(6), b"f", b"c")
     s.install(0, torch.full((6,), 7.0), Version(1, 9), b"cert")
-    changes = s.take_changes()
+    changes = s.take_changes(NO_COPY)
     assert 0 not in changes.moves and changes.replace == {0} and torch.equal(s.held[0].anchor, torch.full((6,), 7.0))
     assert 0 not in s.outstanding
 
@@ -79,14 +83,29 @@ def test_versions_never_regress():
     assert s.label(0) == V2
 
 
-def test_update_that_does_not_reproduce_the_certified_bytes_changes_nothing():
+def test_a_result_checked_outside_the_lock_is_refused_if_the_anchor_was_written_meanwhile():
     s = store()
-    good = anchor_digest(torch.full((6,), 1.0))
-    with pytest.raises(DigestMismatch):
-        s.advance(0, GENESIS, V1, torch.full((6,), 2.0), b"f", b"c", expect_digest=good)
-    assert s.label(0) == GENESIS and torch.equal(s.held[0].anchor, torch.zeros(6))
-    s.advance(0, GENESIS, V1, torch.full((6,), 1.0), b"f", b"c", expect_digest=good)
-    assert s.label(0) == V1
+    anchor, label, generation = s.read(0)
+    result = anchor + torch.ones(6)  # what a holder computes and hashes without the lock
+    s.install(0, torch.full((6,), 5.0), V1, b"c")  # a download lands meanwhile
+    with pytest.raises(StaleVersion):
+        s.advance(0, V1, V2, torch.ones(6), b"f", b"c", result=result, generation=generation)
+    assert s.label(0) == V1 and torch.equal(s.held[0].anchor, torch.full((6,), 5.0))
+    anchor, _, generation = s.read(0)
+    s.advance(0, V1, V2, torch.ones(6), b"f", b"c", result=anchor + torch.ones(6), generation=generation)
+    assert s.label(0) == V2 and torch.equal(s.held[0].anchor, torch.full((6,), 6.0))
+
+
+def test_a_repair_replaces_an_anchor_of_the_same_label_only_if_it_was_not_written_since():
+    s = store()
+    s.advance(0, GENESIS, V1, torch.ones(6), b"f", b"c")
+    _, _, generation = s.read(0)
+    with pytest.raises(StaleVersion):
+        s.install(0, torch.full((6,), 2.0), V1, b"c")  # same label, no repair: refused
+    s.install(0, torch.full((6,), 2.0), V1, b"c", repair_of=generation)
+    assert torch.equal(s.held[0].anchor, torch.full((6,), 2.0))
+    with pytest.raises(StaleVersion):
+        s.install(0, torch.full((6,), 3.0), V1, b"c", repair_of=generation)  # checked before the last write
 
 
 def test_kept_updates_lead_from_an_old_version_to_the_current_one():

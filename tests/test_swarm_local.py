@@ -173,3 +173,35 @@ def test_a_replica_that_missed_the_newest_replication_rebuilds_the_momentum_when
     assert taken.momentum_source[p] == "rebuilt" and taken.stats["momentum_rebuilt_at_takeover"] >= 1
     error = (taken.owners[p].momentum - momentum).norm() / momentum.norm()
     assert error < 0.05, f"rebuilt momentum is {error:.3f} off the owner's (the int8 update's error only)"
+
+
+def on_loop(ll: LocalLearner, coro, timeout: float = 30.0):
+    """Run `coro` on the learner's swarm loop and wait for its result."""
+    import asyncio
+
+    return asyncio.run_coroutine_threadsafe(coro, ll.learner.swarm._loop).result(timeout)
+
+
+@pytest.mark.timeout(120)
+def test_a_new_owner_pulls_the_momentum_a_member_holds_in_fp32_after_a_full_replication(fleet):
+    genesis = tiny_run(fragments=2, quorum=2)
+    learners = fleet(genesis, 2)  # each fragment: one owns it, the other is its replica
+    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 2 for ll in learners), 20, "2 live members")
+    for _ in range(2):
+        for ll in learners:
+            ll.train(10)
+    wait_until(lambda: all(v.version >= 2 for ll in learners for v in ll.learner.labels), 30, "two versions")
+    owner = next(ll for ll in learners if ll.learner.swarm.shard.owners)
+    holder = next(ll for ll in learners if ll is not owner)
+    shard = owner.learner.swarm.shard
+    p = next(iter(shard.owners))
+    label = owner.learner.swarm.store.label(p)
+    momentum = shard.owners[p].momentum.clone()
+    # the state the holder keeps after a hand-over or a replica that was behind: anchor and momentum in fp32
+    assert on_loop(owner, shard._send_full(p, holder.learner.swarm.identity.peer_id, shard.owners[p].term,
+                                           shard.owners[p].momentum))
+    assert holder.learner.swarm.shard.replica_momentum[p][1].meta["codec"] == "fp32"
+    shard.owners[p].momentum = None  # as after a takeover that missed it
+    on_loop(owner, shard._pull_momentum(p, label))
+    assert shard.momentum_source[p] == "pulled", f"the pull failed: {dict(shard.stats)}"
+    assert torch.equal(shard.owners[p].momentum, momentum)

@@ -146,9 +146,11 @@ def test_kill_9_of_an_owner_hands_the_fragment_to_a_replica_under_a_higher_term(
     new_owner = get_status(survivors[0])["fragments"][p]["roles"][0]
     assert new_owner != frag["roles"][0]
     owner_url = urls[by_peer[new_owner]]
-    # Whether the momentum came along ("replica", "handed over", "pulled") or restarted ("fresh") is reported;
-    # it survives in most runs but not all yet (see the issue notes), so it is not asserted here.
-    assert get_status(owner_url)["fragments"][p]["momentum"] in ("replica", "handed over", "pulled", "fresh")
+    # The momentum comes along: kept from replication, handed over, pulled from a holder, or rebuilt from the
+    # one replicated before and the kept update; never restarted from zero ("fresh"). A pull may take a moment.
+    carried = ("replica", "handed over", "pulled", "rebuilt")
+    wait_until(lambda: get_status(owner_url)["fragments"][p]["momentum"] in carried, 15,
+               f"the new owner to carry the momentum of fragment {p} on (not 'fresh')")
     del replica
     for i, versions in seen.items():
         assert versions == sorted(versions), f"learner {i} saw fragment {p} regress: {versions}"
