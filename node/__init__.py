@@ -8,10 +8,10 @@ Names are imported on first use, so `diloco-node --help` or a bootstrap-only `di
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["JoinError", "Learner", "RunMismatch", "SwarmConfig", "__version__", "create_run"]
+__all__ = ["JoinError", "Learner", "RunMismatch", "SwarmConfig", "SwarmFailed", "__version__", "create_run"]
 
 _LAZY = {"Learner": "learner", "RunMismatch": "learner", "create_run": "learner", "JoinError": "swarm",
-         "SwarmConfig": "swarm"}
+         "SwarmConfig": "swarm", "SwarmFailed": "swarm"}
 
 
 def __getattr__(name: str) -> Any:

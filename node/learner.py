@@ -1,4 +1,4 @@
-"""The Python API: wrap your own training loop, keep its shape (DESIGN §6).
+"""The Python API: wrap your own training loop, keep its shape (docs/architecture.md §5).
 
     learner = Learner(model, optimizer, Genesis.load("run.spec"), config=SwarmConfig(peers=[...]))
     learner.start()                          # joins, downloads the newest fragments into `model`
@@ -11,7 +11,7 @@
 boundary, under the store's lock), hands due fragments to the background loop, and returns. Fragment p is due
 at inner steps t ≡ ⌊p·H/P⌋ (mod H).
 
-A synchronous run (`RunSpec.synchronous`, the baseline of DESIGN §8) is the one exception: there `step` waits
+A synchronous run (`RunSpec.synchronous`, the baseline of docs/architecture.md §10) is the one exception: there `step` waits
 until fragment p's previous delta is merged before sending the next, and a checkpoint waits until every sent
 delta is merged, so all learners checkpoint the same global versions (the state a rollback returns to).
 """
@@ -35,7 +35,7 @@ from diloco.protocol.codecs import load_kernels
 from diloco.protocol.identity import Identity
 
 from .checkpoint import capture, load_latest, restore, save_checkpoint
-from .swarm import JoinError, Swarm, SwarmConfig
+from .swarm import JoinError, Swarm, SwarmConfig, SwarmFailed
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,9 @@ class Learner:
         waits for merges: see the module docstring)."""
         if self.swarm is None:
             raise RuntimeError("call Learner.start() before step()")
+        if not self.swarm.healthy:
+            raise self.swarm.error or SwarmFailed("the swarm loop is not running (stopped, or it died before "
+                                                  "reporting why); restart this learner")
         now = time.monotonic()
         self.t += 1
         self.tokens += tokens
@@ -247,12 +250,9 @@ class Learner:
     def _apply_new_versions(self) -> None:
         """Move θ[p] with every new version (the rebase rule of `coordinator.fragments`): θ[p] += U, plus our
         own delta once merged. A fragment downloaded whole overwrites θ[p]; only then are local steps lost."""
-        changes = self.swarm.store.take_changes()
+        changes = self.swarm.store.take_changes(lambda p, anchor: self.plan.unflatten_into(p, anchor, self.params))
         self.base = changes.labels
-        store = self.swarm.store
         for p in sorted(changes.replace):
-            with store.lock:
-                self.plan.unflatten_into(p, store.held[p].anchor, self.params)
             self.overwritten_steps += self.c_steps[p]
             self.c_steps[p] = self.c_tokens[p] = 0
         for p, moves in changes.moves.items():
@@ -299,3 +299,13 @@ class Learner:
 
     def status(self) -> dict:
         return self.swarm.status() if self.swarm else {}
+
+    @property
+    def healthy(self) -> bool:
+        """True while the learner trains with the swarm: started, and its background loop is running."""
+        return self.swarm is not None and self.swarm.healthy
+
+    @property
+    def error(self) -> SwarmFailed | None:
+        """Why the background loop died after the join (what the next `step` raises), or None."""
+        return self.swarm.error if self.swarm else None

@@ -1,4 +1,4 @@
-"""The learner's background half: one thread, one asyncio loop, all the I/O (DESIGN §6).
+"""The learner's background half: one thread, one asyncio loop, all the I/O (docs/architecture.md §9).
 
 It starts the peer's HTTP server, its DHT node, the membership view, the fragment sync and (unless in client
 mode) the syncer shard; joins the run; downloads every fragment that is newer than what the learner holds;
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -93,6 +94,12 @@ class JoinError(Exception):
     """The swarm could not be joined; the message says why and what to try."""
 
 
+class SwarmFailed(RuntimeError):
+    """The learner's background loop stopped after the join (its cause is `__cause__`): no delta leaves and no
+    version arrives any more, so the model would train alone. Raised by `Learner.step`; restart the learner
+    (it resumes from its checkpoint)."""
+
+
 @dataclass
 class SwarmConfig:
     """Where this peer listens and whom it contacts. Timings suit WAN runs; tests shorten them."""
@@ -145,6 +152,8 @@ class Swarm:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        self.error: SwarmFailed | None = None  # set once the loop has died after the join (`healthy`)
+        self.task_failures = 0  # one-off background tasks (a delta's send, a push) that raised
         self._stopping: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
         self.server: PeerServer | None = None
@@ -199,15 +208,32 @@ class Swarm:
 
     # -- the loop -------------------------------------------------------------------------------------------
 
+    @property
+    def healthy(self) -> bool:
+        """True while the background loop runs (before `start` and after `stop`: False)."""
+        return self.error is None and self._thread is not None and self._thread.is_alive() and self._ready.is_set()
+
     def _thread_main(self) -> None:
         try:
             asyncio.run(self._main())
-        except BaseException as e:  # surfaced to the training thread by start()
+        except BaseException as e:  # surfaced to the training thread by start(), or by Learner.step
             if not self._ready.is_set():
                 self._error = e if isinstance(e, JoinError) else JoinError(f"{type(e).__name__}: {e}")
                 self._ready.set()
             else:
-                log.exception("swarm loop crashed")
+                self._failed(e, "the swarm loop")
+        else:
+            if self._stopping is not None and not self._stopping.is_set() and self.error is None:
+                self._failed(RuntimeError("the event loop returned"), "the swarm loop")
+
+    def _failed(self, e: BaseException, what: str) -> None:
+        """The swarm can no longer train with the others: remember why, for `Learner.step` to raise."""
+        if self.error is None:
+            log.error("%s died: %s: %s; this learner no longer syncs with the swarm", what, type(e).__name__, e,
+                      exc_info=e)
+            self.error = SwarmFailed(f"{what} died ({type(e).__name__}: {e}); no delta leaves and no version "
+                                     "arrives any more; restart this learner (it resumes from its checkpoint)")
+            self.error.__cause__ = e
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -223,7 +249,7 @@ class Swarm:
             self._ready.set()  # (`offer_ownership` follows once the model holds what was synced)
             for coro in (self.members.run(), self._watch(), self._trim(),
                          *([self.shard.run()] if self.shard else [])):
-                self._spawn(coro)
+                self._spawn(coro, essential=True)
             await self._stopping.wait()
         finally:
             for task in list(self._tasks):
@@ -335,11 +361,14 @@ class Swarm:
         """Catch up on versions we missed: from the DHT's frag records, or by polling owners (client mode)."""
         while True:
             await asyncio.sleep(1.0 if self.client_mode else self.config.watch_s)
-            with contextlib.suppress(TransportError, Exception):
+            try:
                 newest = await self.sync.newest_versions()
-                for p, found in enumerate(newest):
-                    if found is not None and found[0] > self.store.label(p):
-                        self.sync.catch_up(p, [found[1], *self.members.roles(p)])
+            except (TransportError, ProtocolError) as e:  # the DHT is unreachable for now: try again later
+                log.info("watch: cannot read the fragments' versions: %s", e)
+                continue
+            for p, found in enumerate(newest):
+                if found is not None and found[0] > self.store.label(p):
+                    self.sync.catch_up(p, [found[1], *self.members.roles(p)])
 
     async def _trim(self) -> None:
         """Return freed heap pages to the OS now and then (see `trim_heap`)."""
@@ -347,10 +376,26 @@ class Swarm:
             await asyncio.sleep(TRIM_EVERY_S)
             await asyncio.to_thread(trim_heap)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro, essential: bool = False) -> None:
+        """Run `coro` on the loop. An `essential` one (the member view, the watch, the shard) runs for the whole
+        life of the swarm: if it ends, the swarm has failed (`error`) and the loop stops. A one-off task that
+        raises is logged and counted."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(functools.partial(self._task_done, essential=essential))
+
+    def _task_done(self, task: asyncio.Task, essential: bool) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        e = task.exception()
+        if essential and not self._stopping.is_set():
+            self._failed(e or RuntimeError("it returned"), f"background task {task.get_coro().__qualname__}")
+            self._stopping.set()
+        elif e is not None:
+            self.task_failures += 1
+            log.error("background task %s failed: %s: %s", task.get_coro().__qualname__, type(e).__name__, e,
+                      exc_info=e)
 
     # -- records and status ---------------------------------------------------------------------------------
 
@@ -380,6 +425,9 @@ class Swarm:
             "step_time_s": pr.step_time_s,
             "tokens_per_s": pr.tokens_per_s,
             "synced": pr.synced,
+            "healthy": self.error is None,
+            "error": str(self.error) if self.error is not None else None,
+            "task_failures": self.task_failures,
             "fragments": [
                 {"p": p, "version": str(self.store.label(p)), "roles": self.members.roles(p) if self.members else [],
                  "outer_steps": self.shard.outer_steps[p] if self.shard else 0,
