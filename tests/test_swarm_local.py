@@ -205,3 +205,64 @@ def test_a_new_owner_pulls_the_momentum_a_member_holds_in_fp32_after_a_full_repl
     on_loop(owner, shard._pull_momentum(p, label))
     assert shard.momentum_source[p] == "pulled", f"the pull failed: {dict(shard.stats)}"
     assert torch.equal(shard.owners[p].momentum, momentum)
+
+
+@pytest.mark.timeout(120)
+def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_learner(fleet):
+    genesis = tiny_run(fragments=3, quorum=2)
+    learners = fleet(genesis, 3)
+    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 3 for ll in learners), 20, "3 live members")
+    for _ in range(2):
+        for ll in learners:
+            ll.train(10)
+    wait_until(lambda: all(v.version >= 2 for ll in learners for v in ll.learner.labels), 30, "two versions")
+    by_id = {ll.learner.swarm.identity.peer_id: ll for ll in learners}
+    gone = next(ll for ll in learners if ll.learner.swarm.shard.owners)
+    shard = gone.learner.swarm.shard
+    p = next(iter(shard.owners))
+    replica = by_id[gone.learner.swarm.members.roles(p)[1]]
+    witness = next(ll for ll in learners if ll is not gone and ll is not replica)
+    for ll in learners:
+        ll.learner.swarm.store.accepted = []  # record every version each one moves to from now on
+
+    async def no_replica(*args, **kwargs) -> set[str]:
+        return set()
+
+    push = shard._push
+
+    async def push_to_witness_only(env, exclude):
+        await push(env, exclude | {replica.learner.swarm.identity.peer_id})
+
+    async def unrecorded(*args, **kwargs) -> None:  # nor does its DHT record say so (killed before it)
+        pass
+
+    shard._replicate, shard._push = no_replica, push_to_witness_only
+    gone.learner.swarm.members.dht.store = unrecorded
+    before = gone.learner.labels[p]
+    for ll in (gone, witness):
+        ll.train(10)  # one more version of p (quorum 2): the witness gets it, the replica does not
+    wait_until(lambda: witness.learner.labels[p] > before, 30, "the witness to hold the last version")
+    last = witness.learner.labels[p]
+    assert replica.learner.labels[p] == before, "the replica was not supposed to see it"
+
+    async def killed() -> None:  # no goodbye: the record outlives the process for a while
+        pass
+
+    gone.learner.swarm.members.withdraw = killed
+    gone.learner.close()
+    taken = replica.learner.swarm.shard
+    wait_until(lambda: p in taken.owners and not getattr(taken.owners[p], "held_back", False), 20, "the replica to take p over")
+    wait_until(lambda: replica.learner.swarm.store.label(p) >= last, 10, "the new owner to reach the last version")
+    assert taken.stats["takeover_reached_newest"] >= 1
+    live = [replica, witness]
+    for ll in live:
+        ll.train(10)
+    wait_until(lambda: all(ll.learner.labels[p].version > last.version for ll in live), 30,
+               "a version built on the last one")
+    for ll in live:
+        terms: dict[int, set[int]] = {}
+        for q, term, version in ll.learner.swarm.store.take_accepted():
+            if q == p:
+                terms.setdefault(version, set()).add(term)
+        forks = {v: t for v, t in terms.items() if len(t) > 1}
+        assert not forks, f"fragment {p} forked (the deltas merged into the lost branch are gone): {forks}"
