@@ -197,6 +197,14 @@ class FragmentOwner:
         self.momentum, self.residual, self.label = pub.momentum, pub.residual, pub.new
         self._spare = old if old is not pub.momentum else None  # the next step writes into it
 
+    def adopt_momentum(self, momentum: Tensor, label: Version) -> bool:
+        """Take the momentum of version `label` that arrived after the takeover (pulled from a member, or a
+        late hand-over), if the owner still has none; False, changing nothing, otherwise."""
+        if self.momentum is not None:
+            return False
+        self.momentum, self.label = momentum, label
+        return True
+
     def abandon(self, pub: Publication | None, batch: list[PendingDelta], requeue: bool) -> int:
         """The round's version was not published: nothing the owner holds has changed. With `requeue` its
         deltas go back into the next round (unless the same learner has sent a newer one since); otherwise

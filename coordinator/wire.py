@@ -32,6 +32,7 @@ ROUTE_REPLICATE = "/v1/replicate"
 ROUTE_FRAGMENT = "/v1/fragment/{p}"  # GET: u32 cert_len | cert | fp32 anchor
 ROUTE_UPDATES = "/v1/updates/{p}"  # GET ?after=T.V[&wait=S]: canonical list of update frames
 ROUTE_STATUS = "/v1/status"
+ROUTE_MOMENTUM = "/v1/momentum/{p}"  # GET ?label=T.V: u32 meta_len | meta | codec payload
 ROUTE_VERSIONS = "/v1/versions"  # GET: canonical list of [term, version], one per fragment
 
 
@@ -151,6 +152,28 @@ class ReplicateFields:
 
 
 MAX_CERT = 70_000  # bytes of an update certificate in a fragment body, at most
+
+
+def momentum_body_max(numel: int) -> int:
+    """The longest body GET /v1/momentum/{p} may answer: fp32 (after a full replication) is the largest form."""
+    return 4 + 4096 + 4 * numel
+
+
+def pack_momentum(meta: dict, payload: bytes | memoryview) -> bytes:
+    """Body of GET /v1/momentum/{p}: u32 big-endian length of the codec meta (canonical msgpack), meta, payload."""
+    head = canonical.packb(meta)
+    return struct.pack(">I", len(head)) + head + bytes(payload)
+
+
+def parse_momentum(body: bytes) -> tuple[dict, bytes]:
+    """Inverse of `pack_momentum`, checked; the codec checks the meta itself. Raises `Malformed`."""
+    if len(body) < 4:
+        raise Malformed("momentum answer shorter than its length prefix")
+    (n,) = struct.unpack(">I", body[:4])
+    meta = canonical.unpackb(body[4 : 4 + n], max_len=4096)
+    if not isinstance(meta, dict):
+        raise Malformed("momentum meta must be a map")
+    return meta, bytes(body[4 + n :])
 
 
 def pack_versions(labels: list[Version]) -> bytes:

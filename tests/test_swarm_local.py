@@ -160,7 +160,7 @@ def test_a_replica_that_missed_the_newest_replication_rebuilds_the_momentum_when
     async def replication_failed(*args, **kwargs) -> set[str]:
         return set()
 
-    shard._replicate = replication_failed  # the next version is published without reaching the replica
+    shard.replication.replicate = replication_failed  # the next version is published without reaching the replica
     before = owner.learner.labels[p]
     for ll in learners:
         ll.train(10)  # quorum 2 of 2: exactly one more version of p
@@ -198,11 +198,12 @@ def test_a_new_owner_pulls_the_momentum_a_member_holds_in_fp32_after_a_full_repl
     label = owner.learner.swarm.store.label(p)
     momentum = shard.owners[p].momentum.clone()
     # the state the holder keeps after a hand-over or a replica that was behind: anchor and momentum in fp32
-    assert on_loop(owner, shard._send_full(p, holder.learner.swarm.identity.peer_id, shard.owners[p].term,
-                                           shard.owners[p].momentum))
-    assert holder.learner.swarm.shard.replica_momentum[p][1].meta["codec"] == "fp32"
+    anchor, _, cert = owner.learner.swarm.store.snapshot(p)
+    assert on_loop(owner, shard.replication.send_full(p, holder.learner.swarm.identity.peer_id,
+                                                      shard.owners[p].term, shard.owners[p].momentum, cert, anchor))
+    assert holder.learner.swarm.shard.replication.kept[p][1].meta["codec"] == "fp32"
     shard.owners[p].momentum = None  # as after a takeover that missed it
-    on_loop(owner, shard._pull_momentum(p, label))
+    on_loop(owner, shard.takeover.pull(p, label))
     assert shard.momentum_source[p] == "pulled", f"the pull failed: {dict(shard.stats)}"
     assert torch.equal(shard.owners[p].momentum, momentum)
 
@@ -222,6 +223,8 @@ def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_l
     p = next(iter(shard.owners))
     replica = by_id[gone.learner.swarm.members.roles(p)[1]]
     witness = next(ll for ll in learners if ll is not gone and ll is not replica)
+    wait_until(lambda: len({tuple(ll.learner.labels) for ll in learners}) == 1 and not shard._stepping, 20,
+               "no round in flight")  # (a publication already under way would still reach the replica)
     for ll in learners:
         ll.learner.swarm.store.accepted = []  # record every version each one moves to from now on
 
@@ -236,7 +239,7 @@ def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_l
     async def unrecorded(*args, **kwargs) -> None:  # nor does its DHT record say so (killed before it)
         pass
 
-    shard._replicate, shard._push = no_replica, push_to_witness_only
+    shard.replication.replicate, shard._push = no_replica, push_to_witness_only
     gone.learner.swarm.members.dht.store = unrecorded
     before = gone.learner.labels[p]
     for ll in (gone, witness):

@@ -1,0 +1,178 @@
+"""Replication: the owner's state copied to each fragment's replicas, so a takeover loses nothing
+(docs/architecture.md §6.5, §6.6).
+
+Owner side: `replicate` hands a new version (its update frame and the step's momentum, not yet committed) to
+p's replicas before the version is published; `send_full` sends the certificate, the fp32 anchor and the fp32
+momentum to a replica that is behind, or to the next owner at a hand-over. Replica side: `POST /v1/replicate`
+applies what arrives and keeps (version, momentum) per fragment for a takeover, and `GET /v1/momentum/{p}`
+serves that momentum to a new owner that missed it. This module holds `kept` and `terms_seen`, nothing else;
+it never changes an owner (a late hand-over is passed to `on_handover`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+
+import torch
+from aiohttp import web
+
+from diloco.protocol.codecs import Codec, get_codec
+from diloco.protocol.envelope import Envelope, EnvelopeVerifier, seal
+from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
+from diloco.protocol.identity import Identity
+from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
+
+from .buffers import BufferPool
+from .fragments import DigestMismatch, Encoded, FragmentStore, anchor_digest
+from .membership import Membership
+from .runspec import RunSpec
+from .sync import STATEFUL_POST_FLOOR_S, FragmentSync
+from .version import Version
+from .wire import (
+    REPLICATE,
+    ROUTE_MOMENTUM,
+    ROUTE_REPLICATE,
+    ReplicateFields,
+    UpdateFields,
+    pack_momentum,
+    path_fragment,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Replication:
+    """Both sides of replication for one peer."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        spec: RunSpec,
+        store: FragmentStore,
+        membership: Membership,
+        client: PeerClient,
+        server: PeerServer,
+        sync: FragmentSync,
+        codec: Codec,
+        pool: BufferPool,
+        verifier: EnvelopeVerifier,
+        stats: collections.Counter[str],
+    ) -> None:
+        self.identity, self.spec, self.store, self.members, self.client = identity, spec, store, membership, client
+        self.sync, self.codec, self.pool, self.stats = sync, codec, pool, stats
+        self.kept: dict[int, tuple[Version, Encoded | None]] = {}  # p -> replicated (version, momentum)
+        self.terms_seen = [0] * len(store)  # p -> the highest term an owner replicated to us
+        # (p, version, momentum) of a full replication: a hand-over that may arrive after we took p over
+        self.on_handover: Callable[[int, Version, Encoded], None] = lambda p, label, momentum: None
+        server.add_envelope_route(ROUTE_REPLICATE, verifier, self._on_replicate, kinds={REPLICATE})
+        server.add_route("GET", ROUTE_MOMENTUM, self._serve_momentum)
+
+    def take(self, p: int) -> tuple[Version, Encoded | None] | None:
+        """What we keep of fragment p (its version and momentum), handed to a takeover and forgotten here."""
+        return self.kept.pop(p, None)
+
+    # -- owner side -----------------------------------------------------------------------------------------
+
+    async def replicate(self, p: int, term: int, label: Version, update: Envelope, anchor: torch.Tensor,
+                        momentum: torch.Tensor | None) -> set[str]:
+        """Hand version `label` (the update `update`, giving `anchor`, and `momentum`) to p's replicas before
+        it is published; returns those that acknowledged."""
+        replicas = [r for r in self.members.roles(p)[1:] if r != self.members.peer_id]
+        if not replicas:
+            self.stats["published_without_live_replica"] += 1
+            return set()
+        frame = update.to_bytes()
+        mmeta, mbytes = self.codec.encode(momentum) if momentum is not None else (None, b"")
+        fields = ReplicateFields(p, term, label, False, len(frame), mmeta).to_fields()
+
+        async def one(peer: str) -> str | None:
+            url = self.members.url(peer)
+            if url is None:
+                return None
+            try:
+                env = seal(self.identity, REPLICATE, self.spec.run_id, fields, frame + mbytes)
+                await self.client.send_envelope(url, ROUTE_REPLICATE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
+                return peer
+            except RemoteError as e:
+                if e.status == 409 and momentum is not None:  # the replica is behind: send it everything
+                    full = await self.send_full(p, peer, term, momentum, update.prefix(), anchor)
+                    return peer if full else None
+                self.stats[f"replicate_refused_{e.status}"] += 1
+            except TransportError as e:
+                self.members.failed(peer, e)
+            return None
+
+        acked = {r for r in await asyncio.gather(*(one(r) for r in replicas)) if r is not None}
+        if not acked:
+            self.stats["published_without_live_replica"] += 1
+        return acked
+
+    async def send_full(self, p: int, peer: str, term: int, momentum: torch.Tensor, cert: bytes,
+                        anchor: torch.Tensor) -> bool:
+        """Full state to `peer`: `cert` (the certificate of the version), its fp32 anchor and fp32 momentum,
+        a consistent snapshot the caller took."""
+        url = self.members.url(peer)
+        if url is None or not cert:
+            return False
+        label = UpdateFields.parse(self.sync.verifier.certificate(cert).fields, len(self.store)).new
+        fields = ReplicateFields(p, term, label, True, len(cert), None).to_fields()
+        payload = cert + anchor.numpy().tobytes() + momentum.contiguous().numpy().tobytes()
+        try:
+            await self.client.send_envelope(url, ROUTE_REPLICATE,
+                                            seal(self.identity, REPLICATE, self.spec.run_id, fields, payload),
+                                            min_deadline_s=STATEFUL_POST_FLOOR_S)
+            self.stats["full_replications"] += 1
+            return True
+        except (TransportError, ProtocolError) as e:
+            log.info("full replication of fragment %d to %s failed: %s", p, peer[:8], e)
+            return False
+
+    # -- replica side ---------------------------------------------------------------------------------------
+
+    async def _on_replicate(self, env: Envelope, request: web.Request) -> bytes:
+        f = ReplicateFields.parse(env.fields, len(self.store))
+        payload = memoryview(env.payload)
+        numel = self.store.numel(f.p)
+        self.terms_seen[f.p] = max(self.terms_seen[f.p], f.term)
+        head, rest = payload[: f.update_len], payload[f.update_len :]
+        if not f.full:
+            update = self.sync.verifier.open(bytes(head), fresh=False)
+            try:
+                await self.sync.apply_update(update, verify=True)
+            except (StaleVersion, DigestMismatch) as e:
+                raise StaleVersion(f"replica cannot apply this update ({e}); send the full state") from None
+            momentum = Encoded(self.codec, f.momentum, bytes(rest)) if f.momentum else None
+            if momentum is not None:  # refuse a malformed payload now, not at the takeover
+                with self.pool.borrow(numel) as scratch:
+                    momentum.decode(numel, out=scratch)
+        else:
+            if len(rest) != 8 * numel:
+                raise Malformed(f"full replication of fragment {f.p} must carry {8 * numel} bytes of state")
+            cert = self.sync.verifier.certificate(bytes(head))
+            uf = UpdateFields.parse(cert.fields, len(self.store))
+            anchor = torch.frombuffer(rest[: 4 * numel], dtype=torch.float32)
+            if uf.p != f.p or uf.new != f.label or await asyncio.to_thread(anchor_digest, anchor) != uf.digest:
+                raise Malformed("full replication does not match its certificate")
+            if f.label > self.store.label(f.p):
+                self.store.install(f.p, anchor, f.label, bytes(head))
+            fp32 = get_codec("fp32")
+            momentum = Encoded(fp32, {"codec": "fp32", "shape": [numel]}, bytes(rest[4 * numel :]))
+            momentum.decode(numel)  # the fp32 codec refuses non-finite values
+        self.kept[f.p] = (f.label, momentum)
+        self.stats["replications_received"] += 1
+        if f.full and momentum is not None:
+            self.on_handover(f.p, f.label, momentum)
+        return b"ok"
+
+    async def _serve_momentum(self, request: web.Request) -> web.Response:
+        """GET /v1/momentum/{p}?label=T.V: the replicated momentum of that version, if this peer holds it, in
+        the codec it arrived in."""
+        p = path_fragment(request.match_info["p"], len(self.store))
+        label = Version.parse(request.query.get("label", ""))
+        kept = self.kept.get(p)
+        if kept is None or kept[1] is None or kept[0] != label:
+            return web.Response(status=404, text="no replicated momentum of that version here\n")
+        return web.Response(body=pack_momentum(kept[1].meta, kept[1].payload))

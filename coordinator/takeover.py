@@ -1,0 +1,181 @@
+"""How a peer starts owning a fragment: its term, its momentum, and the version it builds on
+(docs/architecture.md §6.6).
+
+A new owner publishes under a term above every term it has seen (`next_term`). Its momentum comes, in this
+order of preference, from what the replica kept of the current version ("replica"), from the one kept of an
+older version and the kept updates since ("rebuilt"), from a late hand-over of the old owner ("handed
+over"), or from another member that holds it ("pulled"); "fresh" only when none of them exists. Before its
+first step it compares its version with every live member's and reaches the highest one: a killed owner may
+have pushed its last version to some learners and to no replica, and stepping from an older version would
+fork the fragment and lose the deltas merged into that one. This module owns `momentum_source`; the owners
+themselves belong to the shard, and are changed here only through `FragmentOwner.adopt_momentum`.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+from collections.abc import Callable, Mapping
+
+import torch
+
+from diloco.protocol.codecs import Codec, get_codec
+from diloco.protocol.errors import Malformed, ProtocolError
+from diloco.protocol.transport import PeerClient, RemoteError, TransportError
+
+from .fragments import Encoded, FragmentStore
+from .membership import Membership
+from .outer import OuterOptimizer
+from .owner import FragmentOwner
+from .replication import Replication
+from .sync import FragmentSync
+from .version import Version
+from .wire import UpdateFields, momentum_body_max, parse_momentum
+
+log = logging.getLogger(__name__)
+TERM_SLOTS = 1 << 16
+
+
+def next_term(seen: int, peer_id: str) -> int:
+    """A term above every term seen, in a slot of its own for this peer: two peers that take a fragment at the
+    same moment (their views of the member set differ for a poll interval) publish under different terms, so
+    the higher one wins everywhere instead of two different fragments carrying one label."""
+    slot = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:2], "big") % TERM_SLOTS
+    return (seen // TERM_SLOTS + 1) * TERM_SLOTS + slot
+
+
+class Takeover:
+    """The start of each ownership of this peer. `owners` is the shard's map of the fragments it owns."""
+
+    def __init__(
+        self,
+        store: FragmentStore,
+        membership: Membership,
+        client: PeerClient,
+        sync: FragmentSync,
+        replication: Replication,
+        codec: Codec,
+        outer: OuterOptimizer,
+        owners: Mapping[int, FragmentOwner],
+        stats: collections.Counter[str],
+        spawn: Callable,
+    ) -> None:
+        self.store, self.members, self.client, self.sync = store, membership, client, sync
+        self.replication, self.codec, self.outer, self.owners, self.stats = replication, codec, outer, owners, stats
+        self.spawn = spawn
+        self.momentum_source: dict[int, str] = {}  # p -> where the momentum of an owned fragment came from
+        replication.on_handover = self._handed_over
+
+    def term(self, p: int) -> int:
+        """The term a new owner of p publishes under: above its label's and every term replicated to it."""
+        return next_term(max(self.store.label(p).term, self.replication.terms_seen[p]), self.members.peer_id)
+
+    def momentum(self, p: int) -> torch.Tensor | None:
+        """The momentum of p's current version for a new owner, from what replication kept (None: fresh)."""
+        label, numel = self.store.label(p), self.store.numel(p)
+        kept = self.replication.take(p)
+        momentum, source = None, "fresh"
+        if kept is not None and kept[0] == label:
+            momentum, source = (kept[1].decode(numel), "replica") if kept[1] else (None, "fresh")
+        elif kept is not None and self.outer.momentum != 0:  # the replication of the newest version failed
+            momentum = self.rebuild(p, kept[0], kept[1].decode(numel) if kept[1] else None)
+            source = "rebuilt" if momentum is not None else "fresh"
+            self.stats["momentum_rebuilt_at_takeover" if momentum is not None else "momentum_not_rebuilt"] += 1
+        self.momentum_source[p] = source
+        return momentum
+
+    def rebuild(self, p: int, since: Version, momentum: torch.Tensor | None) -> torch.Tensor | None:
+        """The momentum of fragment p's current version, from the one of version `since` and the kept
+        updates since then (`OuterOptimizer.momentum_after`); None when those updates are not all kept."""
+        frames = self.store.updates_after(p, since)
+        if not frames:
+            return None
+        numel = self.store.numel(p)
+        try:
+            for frame in frames:
+                env = self.sync.verifier.open(frame, fresh=False)
+                f = UpdateFields.parse(env.fields, len(self.store))
+                momentum = self.outer.momentum_after(momentum, Encoded(self.codec, f.codec, env.payload).decode(numel))
+        except (ProtocolError, ValueError) as e:  # (frames we applied ourselves: not expected)
+            log.info("cannot rebuild the momentum of fragment %d: %s", p, e)
+            return None
+        return momentum
+
+    async def reach_newest(self, taken: list[int]) -> None:
+        """Bring the fragments just `taken` over to the highest version any live member holds, then let their
+        owners step (they are held back until then)."""
+        try:
+            above = await self.sync.held_above(taken)
+            for p, (target, holders) in sorted(above.items()):
+                owner = self.owners.get(p)
+                if owner is None:
+                    continue
+                since = self.store.label(p)
+                reached = await self.sync.reach(p, holders, target)
+                self.stats["takeover_reached_newest" if reached else "takeover_newest_unreachable"] += 1
+                if self.owners.get(p) is not owner or self.store.label(p) == since:
+                    continue
+                # the momentum of the version reached: rebuilt from ours and the kept updates since, if we can
+                momentum = None
+                if owner.momentum is not None and owner.label == since and self.outer.momentum != 0:
+                    momentum = self.rebuild(p, since, owner.momentum)
+                owner.momentum, owner.label = momentum, self.store.label(p)
+                self.momentum_source[p] = "rebuilt" if momentum is not None else "fresh"
+                log.info("fragment %d: taken over at %s, reached %s held by %s", p, since, self.store.label(p),
+                         holders[0][:8])
+                if momentum is None:
+                    self.spawn(self.pull(p, self.store.label(p)))
+        finally:
+            for p in taken:
+                if (owner := self.owners.get(p)) is not None:
+                    owner.held_back = False
+
+    async def pull(self, p: int, label: Version) -> None:
+        """Taken over without the momentum of this version (member views differed, so the owner replicated
+        to another peer): ask the other live members for it (GET /v1/momentum/{p}?label=T.V), one after the
+        other until one has it; a member that fails or answers something malformed is passed over."""
+        numel = self.store.numel(p)
+        for m in self.members.live():
+            owner = self.owners.get(p)
+            if owner is None or owner.momentum is not None or self.store.label(p) != label:
+                return
+            if m.peer_id == self.members.peer_id or m.client_mode or not m.url:
+                continue
+            try:
+                body = await self.client.request("GET", m.url, f"/v1/momentum/{p}?label={label}", deadline_s=10.0,
+                                                 max_response=momentum_body_max(numel))
+                meta, payload = parse_momentum(body)
+                momentum = Encoded(self._codec_of(meta), meta, payload).decode(numel)
+            except RemoteError as e:
+                if e.status != 404:
+                    log.info("momentum pull of fragment %d from %s refused: %s", p, m.peer_id[:8], e)
+                continue
+            except (TransportError, ProtocolError) as e:
+                log.info("momentum pull of fragment %d from %s failed: %s", p, m.peer_id[:8], e)
+                self.stats["momentum_pull_failures"] += 1
+                continue
+            if self.owners.get(p) is owner and self.store.label(p) == label and owner.adopt_momentum(momentum, label):
+                self.momentum_source[p] = "pulled"
+                self.stats["momentum_pulled_after_takeover"] += 1
+            return
+
+    def _codec_of(self, meta: dict) -> Codec:
+        """A replicated momentum travels in the run's codec (an ordinary replication) or in fp32 (a full
+        replication or hand-over): docs/protocol.md §7.15. Anything else is `Malformed`."""
+        name = meta.get("codec")
+        if name == self.codec.name:
+            return self.codec
+        if name == "fp32":
+            return get_codec("fp32")
+        raise Malformed(f"momentum meta names codec {name!r}; this run's momentum is {self.codec.name!r} or fp32")
+
+    def _handed_over(self, p: int, label: Version, momentum: Encoded) -> None:
+        """A hand-over that arrived after we took the fragment over (the old owner saw the new member set later
+        than we did): the momentum still belongs to our version if the labels agree."""
+        owner = self.owners.get(p)
+        if owner is not None and label == self.store.label(p) \
+                and owner.adopt_momentum(momentum.decode(self.store.numel(p)), label):
+            self.momentum_source[p] = "handed over"
+            self.stats["momentum_adopted_after_takeover"] += 1
+
