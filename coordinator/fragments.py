@@ -6,11 +6,8 @@ so the training thread never reads a half-written fragment, and a label never mo
 under that lock (the training thread takes it at every step boundary). The update
 frames of the last few versions are kept, so a learner that missed one can catch up without a full download.
 
-What the learner does with a new version (the rebase rule). Its live fragment is θ[p] = Θ_p + (local
-progress not yet merged). When Θ_p moves by U, θ[p] moves by U too; and when U merged this learner's own
-outstanding delta Δ_sent (= Θ_base − θ at the send), that progress is now part of Θ_p and leaves θ[p]:
-θ[p] += U + Δ_sent. No local step is ever thrown away; only a whole download (`install`) overwrites θ[p].
-The store sums these per fragment between two step boundaries (`pending`) for the training thread to apply.
+What the learner does with a new version (the rebase rule) is accounted in `coordinator.rebase`, in the same
+critical section as the anchor change; the learner applies it at its next step boundary (`take_changes`).
 """
 
 from __future__ import annotations
@@ -27,6 +24,7 @@ from torch import Tensor
 from diloco.protocol.codecs import Codec
 from diloco.protocol.errors import BadSignature, Malformed, StaleVersion
 
+from .rebase import Changes, InFlight, RebaseLedger, VersionLog
 from .version import GENESIS, Version
 
 KEEP_UPDATES = 1  # update frames kept per fragment for catch-up (each costs 1 B/param at int8)
@@ -70,16 +68,6 @@ class Held:
     updates: deque[tuple[Version, Version, bytes]] = field(default_factory=lambda: deque(maxlen=KEEP_UPDATES))
 
 
-@dataclass
-class Changes:
-    """θ[p] := Θ_p for p in `replace` (installed whole: copied by `take_changes` itself);
-    θ[p] += Σ moves[p] (the rebase rule); `labels`: the versions θ is based on afterwards."""
-
-    replace: set[int]
-    moves: dict[int, list[Move]]
-    labels: list[Version]
-
-
 class FragmentStore:
     """Anchors by fragment index, with the moves the learner has not applied to θ yet (`take_changes`)."""
 
@@ -93,23 +81,37 @@ class FragmentStore:
         self.unset = set(unset)
         self.downloading: set[int] = set()  # unset fragments being downloaded straight into their anchor
         self.self_id = self_id
-        self.lock = threading.Lock()
-        self.pending: dict[int, list[Move]] = {}  # p -> what θ[p] must move by at the next step boundary
-        self.replaced: set[int] = set()  # fragments installed whole: θ[p] := Θ_p
-        self.outstanding: dict[int, tuple[Move, int, int]] = {}  # p -> (Δ_sent as merged, its steps, its tokens)
-        self.merged_steps = 0  # Σ over fragments of the inner steps of our deltas that reached a version
-        self.merged_tokens = 0  # the same for tokens
-        self.carried: dict[int, tuple[int, int]] = {}  # p -> (steps, tokens) of deltas never merged: their
-        # progress is still in θ[p], so the next delta carries it and counts it
-        self.in_flight: set[int] = set()  # fragments whose delta is being sent or waits to be merged
-        self.settled = threading.Condition(self.lock)  # notified when a fragment leaves `in_flight`
-        self.accepted: list[tuple[int, int, int]] | None = None  # if a list: every (p, term, version) this
-        # store moved to, in order, for an observer to drain (`take_accepted`); None: not recorded
+        self.lock = threading.Lock()  # guards all of the below and the anchors' writes
+        self.rebase = RebaseLedger()  # what θ owes and is owed (the rebase rule)
+        self.in_flight = InFlight(self.lock)  # the synchronous baseline's wait for merges
+        self.versions = VersionLog()  # every version moved to, for the chaos harness (when recording)
         self.keep_frames: set[int] | None = None  # fragments whose update frames to keep (None: all); the shard
         # sets it to the fragments this peer owns or replicates, the holders that learners catch up from
 
     def __len__(self) -> int:
         return len(self.held)
+
+    @property
+    def merged_steps(self) -> int:
+        """Σ over fragments of the inner steps of our deltas that reached a version (checkpointed)."""
+        return self.rebase.merged_steps
+
+    @merged_steps.setter
+    def merged_steps(self, value: int) -> None:
+        self.rebase.merged_steps = value
+
+    @property
+    def merged_tokens(self) -> int:
+        return self.rebase.merged_tokens
+
+    @merged_tokens.setter
+    def merged_tokens(self, value: int) -> None:
+        self.rebase.merged_tokens = value
+
+    def record_versions(self) -> None:
+        """From now on, remember every version this store moves to (`take_accepted`)."""
+        with self.lock:
+            self.versions.moves = []
 
     def label(self, p: int) -> Version:
         return self.held[p].label
@@ -149,18 +151,12 @@ class FragmentStore:
                 held.anchor.add_(update.reshape(-1))
             held.generation += 1
             held.label, held.cert = new, cert
-            self._accepted(p, new)
+            self.versions.record(p, new)
             if self.keep_frames is None or p in self.keep_frames:
                 held.updates.append((base, new, frame))
-            moves: list[Move] = [move if move is not None else update.reshape(-1).clone()]
-            if self.self_id in contributors and p in self.outstanding:
-                sent, steps, tokens = self.outstanding.pop(p)
-                moves.append(sent)
-                self.merged_steps += steps
-                self.merged_tokens += tokens
-                self._settle(p)
-            if p not in self.replaced:
-                self.pending.setdefault(p, []).extend(moves)
+            if self.rebase.moved(p, move if move is not None else update.reshape(-1).clone(),
+                                 merged_ours=self.self_id in contributors):
+                self.in_flight.settle(p)
 
     def read(self, p: int) -> tuple[Tensor, Version, int]:
         """(anchor, label, generation) of fragment p, for reading the anchor outside the lock: only the swarm's
@@ -190,13 +186,10 @@ class FragmentStore:
             held.generation += 1
             held.label, held.cert = label, cert
             self.unset.discard(p)
-            self._accepted(p, label)
+            self.versions.record(p, label)
             held.updates.clear()
-            self.pending.pop(p, None)
-            self.outstanding.pop(p, None)
-            self.carried.pop(p, None)  # θ[p] is overwritten: that progress is gone
-            self._settle(p)
-            self.replaced.add(p)
+            self.rebase.installed(p)  # θ[p] is overwritten: the progress it held is gone
+            self.in_flight.settle(p)
 
     def begin_download(self, p: int) -> Tensor | None:
         """The memory to download fragment p into: its own anchor while p is unset (nothing reads it then;
@@ -260,18 +253,12 @@ class FragmentStore:
 
     def set_outstanding(self, p: int, base: Version, sent: Move, steps: int, tokens: int = 0) -> tuple[int, int] | None:
         """Remember the delta just sent for p (as the owner will merge it) until a version merges it.
-        Returns the (steps, tokens) it carries: its own plus those of earlier deltas of p that were never merged
-        (their progress is still in θ[p], so it is in this Δ). None if the anchor has moved off `base`
+        Returns the (steps, tokens) it carries (`RebaseLedger.sent`). None if the anchor has moved off `base`
         meanwhile (then the delta must not be sent)."""
         with self.lock:
             if self.held[p].label != base:
                 return None
-            if p in self.outstanding:  # superseded before any version merged it
-                _, s, t = self.outstanding.pop(p)
-                self._carry(p, s, t)
-            s, t = self.carried.pop(p, (0, 0))
-            self.outstanding[p] = (sent, steps + s, tokens + t)
-            return steps + s, tokens + t
+            return self.rebase.sent(p, sent, steps, tokens)
 
     def delta(self, p: int, base: Version, live: Tensor) -> Tensor | None:
         """Δ_p = Θ_p − θ[p], written into `live` (the learner's snapshot of θ[p]); None if Θ_p has moved off
@@ -284,19 +271,13 @@ class FragmentStore:
     def drop_outstanding(self, p: int) -> None:
         """The delta was not accepted: its progress stays in θ[p] and goes out with the next one."""
         with self.lock:
-            if p in self.outstanding:
-                _, s, t = self.outstanding.pop(p)
-                self._carry(p, s, t)
-            self._settle(p)
+            self.rebase.unsent(p)
+            self.in_flight.settle(p)
 
     def carry(self, p: int, steps: int, tokens: int) -> None:
         """A delta that was never sent: its progress stays in θ[p], and the next delta counts its steps."""
         with self.lock:
-            self._carry(p, steps, tokens)
-
-    def _carry(self, p: int, steps: int, tokens: int) -> None:  # holds the lock
-        s, t = self.carried.get(p, (0, 0))
-        self.carried[p] = (s + steps, t + tokens)
+            self.rebase.carry(p, steps, tokens)
 
     # -- waiting for a delta to be merged (the synchronous baseline) ----------------------------------------
 
@@ -308,28 +289,17 @@ class FragmentStore:
     def end_send(self, p: int, accepted: bool) -> None:
         """The loop is done sending; an accepted delta stays in flight until a version merges it."""
         with self.lock:
-            if not accepted or p not in self.outstanding:
-                self._settle(p)
+            if not accepted or p not in self.rebase.outstanding:
+                self.in_flight.settle(p)
 
     def wait_settled(self, fragments: list[int] | range, timeout: float) -> bool:
         """Block until none of `fragments` is in flight; False if `timeout` seconds passed first."""
-        with self.lock:
-            return self.settled.wait_for(lambda: not self.in_flight.intersection(fragments), timeout)
-
-    def _settle(self, p: int) -> None:  # holds the lock
-        if p in self.in_flight:
-            self.in_flight.discard(p)
-            self.settled.notify_all()
-
-    def _accepted(self, p: int, label: Version) -> None:  # holds the lock
-        if self.accepted is not None:
-            self.accepted.append((p, label.term, label.version))
+        return self.in_flight.wait(fragments, timeout)
 
     def take_accepted(self) -> list[tuple[int, int, int]]:
-        """The (p, term, version) moves recorded since the last call (recording must be on: `accepted = []`)."""
+        """The (p, term, version) moves recorded since the last call (after `record_versions`)."""
         with self.lock:
-            out, self.accepted = (self.accepted or []), ([] if self.accepted is not None else None)
-            return out
+            return self.versions.take()
 
     def take_changes(self, copy_replaced: Callable[[int, Tensor], None]) -> Changes:
         """For the training thread, at a step boundary: what to do to θ, and the labels θ is then based on.
@@ -338,11 +308,10 @@ class FragmentStore:
         section: an update landing after it goes into the next changes, never into both the copy and the
         moves (θ would get it twice)."""
         with self.lock:
-            out = Changes(self.replaced, self.pending, [h.label for h in self.held])
-            for p in sorted(self.replaced):
+            replaced, moves = self.rebase.take()
+            for p in sorted(replaced):
                 copy_replaced(p, self.held[p].anchor)
-            self.pending, self.replaced = {}, set()
-            return out
+            return Changes(replaced, moves, [h.label for h in self.held])
 
 
 def _plain_fp32(t: Tensor) -> bool:

@@ -81,7 +81,7 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
     learner.start()
     store = learner.swarm.store
     if opts.json:
-        store.accepted = []  # report every version this learner moves to (the chaos harness checks them)
+        store.record_versions()  # report every version this learner moves to (the chaos harness checks them)
     emit(opts, "joined", peer_id=identity.peer_id, url=learner.swarm.url, join_s=time.monotonic() - t0,
          step=learner.t, versions=[str(v) for v in learner.labels], merged_steps=store.merged_steps,
          merged_tokens=store.merged_tokens, tokens=learner.tokens)

@@ -39,14 +39,14 @@ def test_a_version_that_merged_our_delta_also_takes_that_progress_out_of_theta()
     u = torch.full((6,), 0.2)
     s.advance(0, GENESIS, V1, u, b"f", b"c", contributors=["me", "other"])
     assert torch.allclose(sum(s.take_changes(NO_COPY).moves[0]), u + sent)
-    assert s.merged_steps == 10 and 0 not in s.outstanding
+    assert s.merged_steps == 10 and 0 not in s.rebase.outstanding
 
 
 def test_our_delta_stays_outstanding_until_a_version_merges_it():
     s = store()
     s.set_outstanding(0, GENESIS, torch.ones(6), steps=3)
     s.advance(0, GENESIS, V1, torch.zeros(6), b"f", b"c", contributors=["other"])
-    assert 0 in s.outstanding and s.merged_steps == 0
+    assert 0 in s.rebase.outstanding and s.merged_steps == 0
 
 
 def test_moves_of_several_versions_add_up_between_two_steps():
@@ -64,7 +64,7 @@ def test_a_whole_download_replaces_theta_and_forgets_the_outstanding_delta():
     s.install(0, torch.full((6,), 7.0), Version(1, 9), b"cert")
     changes = s.take_changes(NO_COPY)
     assert 0 not in changes.moves and changes.replace == {0} and torch.equal(s.held[0].anchor, torch.full((6,), 7.0))
-    assert 0 not in s.outstanding
+    assert 0 not in s.rebase.outstanding
 
 
 def test_outstanding_delta_refused_when_the_anchor_moved_since_the_snapshot():
@@ -137,7 +137,7 @@ def test_an_install_forgets_carried_steps_because_it_overwrites_that_progress():
 
 def test_a_fragment_in_flight_settles_when_merged_refused_or_overwritten():
     s = store()
-    s.accepted = []
+    s.record_versions()
     for p in (0, 1, 2):
         s.begin_send(p)
         s.set_outstanding(p, GENESIS, torch.ones(6), 1)

@@ -226,7 +226,7 @@ def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_l
     wait_until(lambda: len({tuple(ll.learner.labels) for ll in learners}) == 1 and not shard._stepping, 20,
                "no round in flight")  # (a publication already under way would still reach the replica)
     for ll in learners:
-        ll.learner.swarm.store.accepted = []  # record every version each one moves to from now on
+        ll.learner.swarm.store.record_versions()  # record every version each one moves to from now on
 
     async def no_replica(*args, **kwargs) -> set[str]:
         return set()
