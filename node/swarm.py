@@ -50,15 +50,10 @@ WITHDRAW_S = 2.0  # a stopping peer marks its member record `left` within this l
 def return_large_buffers_to_os() -> None:
     """glibc: serve allocations of 1 MiB and more with their own mmap, returned to the OS when freed.
 
-    The swarm allocates fragment-sized buffers (deltas, updates, digests) and payload-sized ones (a compressed
-    fragment: 3 MiB for the 25M stand-in's 8 fragments in int8) on several threads. glibc's default raises
-    its mmap threshold after such a buffer is freed, so later ones land in heap arenas that are never given
-    back: measured on the 25M stand-in, +724 MiB of RSS after one round instead of +274 MiB. With a 4 MiB
-    threshold the payloads still went to the arenas: single RSS readings swung ±15 MiB from round to round
-    and some learners settled 8 MiB higher over 10 minutes. At 1 MiB they stay within a few MiB, for more
-    CPU per round in page faults (4 learners sending rounds back to back on 2 cores: 26 rounds in 45 s
-    instead of 32), a cost paid once per outer step, not per inner step. Setting the threshold also stops
-    the dynamic adjustment. Small allocations are unaffected; no-op off glibc.
+    The swarm allocates fragment- and payload-sized buffers on several threads; with glibc's adaptive mmap
+    threshold they land in heap arenas that are never given back, and a learner's RSS swings and creeps
+    (the README's memory figures say by how much). A fixed 1 MiB threshold costs page faults once per outer
+    step. Small allocations are unaffected; no-op off glibc.
     """
     libc = _glibc()
     if libc is not None:
