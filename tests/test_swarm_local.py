@@ -143,19 +143,22 @@ def test_a_learner_that_stops_is_dropped_at_the_next_poll_and_a_joiner_then_find
     wait_until(lambda: late.learner.labels == rest[0].learner.labels, 10, "the joiner at the versions of the others")
 
 
-@pytest.mark.timeout(120)
-def test_a_replica_that_missed_the_newest_replication_rebuilds_the_momentum_when_it_takes_over(fleet):
-    genesis = tiny_run(fragments=2, quorum=2)
-    learners = fleet(genesis, 2)  # each fragment: one owns it, the other is its replica
+def owner_and_replica(fleet) -> tuple[list[LocalLearner], LocalLearner, LocalLearner, int]:
+    """Two learners of a 2-fragment run, two versions in: (both, the owner of p, its replica, p)."""
+    learners = fleet(tiny_run(fragments=2, quorum=2), 2)  # each fragment: one owns it, the other replicates it
     wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 2 for ll in learners), 20, "2 live members")
     for _ in range(2):
         for ll in learners:
             ll.train(10)
     wait_until(lambda: all(v.version >= 2 for ll in learners for v in ll.learner.labels), 30, "two versions")
     owner = next(ll for ll in learners if ll.learner.swarm.shard.owners)
-    replica = next(ll for ll in learners if ll is not owner)
+    return learners, owner, next(ll for ll in learners if ll is not owner), next(iter(owner.learner.swarm.shard.owners))
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_that_missed_the_newest_replication_rebuilds_the_momentum_when_it_takes_over(fleet):
+    learners, owner, replica, p = owner_and_replica(fleet)
     shard = owner.learner.swarm.shard
-    p = next(iter(shard.owners))
 
     async def replication_failed(*args, **kwargs) -> set[str]:
         return set()
@@ -184,17 +187,8 @@ def on_loop(ll: LocalLearner, coro, timeout: float = 30.0):
 
 @pytest.mark.timeout(120)
 def test_a_new_owner_pulls_the_momentum_a_member_holds_in_fp32_after_a_full_replication(fleet):
-    genesis = tiny_run(fragments=2, quorum=2)
-    learners = fleet(genesis, 2)  # each fragment: one owns it, the other is its replica
-    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 2 for ll in learners), 20, "2 live members")
-    for _ in range(2):
-        for ll in learners:
-            ll.train(10)
-    wait_until(lambda: all(v.version >= 2 for ll in learners for v in ll.learner.labels), 30, "two versions")
-    owner = next(ll for ll in learners if ll.learner.swarm.shard.owners)
-    holder = next(ll for ll in learners if ll is not owner)
+    _, owner, holder, p = owner_and_replica(fleet)
     shard = owner.learner.swarm.shard
-    p = next(iter(shard.owners))
     label = owner.learner.swarm.store.label(p)
     momentum = shard.owners[p].momentum.clone()
     # the state the holder keeps after a hand-over or a replica that was behind: anchor and momentum in fp32
