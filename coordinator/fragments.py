@@ -251,22 +251,17 @@ class FragmentStore:
             h = self.held[p]
             return h.anchor.clone(), h.label, h.cert
 
-    def set_outstanding(self, p: int, base: Version, sent: Move, steps: int, tokens: int = 0) -> tuple[int, int] | None:
+    def set_outstanding(self, p: int, base: Version, sent: Move, steps: int, tokens: int = 0,
+                        generation: int | None = None) -> tuple[int, int] | None:
         """Remember the delta just sent for p (as the owner will merge it) until a version merges it.
         Returns the (steps, tokens) it carries (`RebaseLedger.sent`). None if the anchor has moved off `base`
-        meanwhile (then the delta must not be sent)."""
+        (or, given the `generation` Δ was computed from, was written at all) meanwhile: then the delta must
+        not be sent."""
         with self.lock:
-            if self.held[p].label != base:
+            held = self.held[p]
+            if held.label != base or (generation is not None and held.generation != generation):
                 return None
             return self.rebase.sent(p, sent, steps, tokens)
-
-    def delta(self, p: int, base: Version, live: Tensor) -> Tensor | None:
-        """Δ_p = Θ_p − θ[p], written into `live` (the learner's snapshot of θ[p]); None if Θ_p has moved off
-        `base` since the snapshot was taken."""
-        with self.lock:
-            if self.held[p].label != base or p in self.unset:
-                return None
-            return torch.sub(self.held[p].anchor, live, out=live)
 
     def drop_outstanding(self, p: int) -> None:
         """The delta was not accepted: its progress stays in θ[p] and goes out with the next one."""

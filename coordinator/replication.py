@@ -85,7 +85,8 @@ class Replication:
             self.stats["published_without_live_replica"] += 1
             return set()
         frame = update.to_bytes()
-        mmeta, mbytes = self.codec.encode(momentum) if momentum is not None else (None, b"")
+        # (encoded and sealed in worker threads: the loop keeps answering meanwhile)
+        mmeta, mbytes = await asyncio.to_thread(self.codec.encode, momentum) if momentum is not None else (None, b"")
         fields = ReplicateFields(p, term, label, False, len(frame), mmeta).to_fields()
 
         async def one(peer: str) -> str | None:
@@ -93,7 +94,7 @@ class Replication:
             if url is None:
                 return None
             try:
-                env = seal(self.identity, REPLICATE, self.spec.run_id, fields, frame + mbytes)
+                env = await asyncio.to_thread(seal, self.identity, REPLICATE, self.spec.run_id, fields, frame + mbytes)
                 await self.client.send_envelope(url, ROUTE_REPLICATE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
                 return peer
             except RemoteError as e:
@@ -121,9 +122,8 @@ class Replication:
         fields = ReplicateFields(p, term, label, True, len(cert), None).to_fields()
         payload = cert + anchor.numpy().tobytes() + momentum.contiguous().numpy().tobytes()
         try:
-            await self.client.send_envelope(url, ROUTE_REPLICATE,
-                                            seal(self.identity, REPLICATE, self.spec.run_id, fields, payload),
-                                            min_deadline_s=STATEFUL_POST_FLOOR_S)
+            env = await asyncio.to_thread(seal, self.identity, REPLICATE, self.spec.run_id, fields, payload)
+            await self.client.send_envelope(url, ROUTE_REPLICATE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
             self.stats["full_replications"] += 1
             return True
         except (TransportError, ProtocolError) as e:

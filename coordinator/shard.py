@@ -265,7 +265,7 @@ class Shard:
                 return None
             digest = await asyncio.to_thread(anchor_digest, anchor)
             fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta, tuple(pub.learners)).to_fields()
-            env = seal(self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
+            env = await asyncio.to_thread(seal, self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
             replicated = await self.replication.replicate(p, owner.term, pub.new, env, anchor, pub.momentum)
             if self.owners.get(p) is not owner or self.store.label(p) != pub.base:
                 return None

@@ -84,6 +84,7 @@ class FragmentSync:
         self.versions_accepted = 0
         self.regressions = 0
         self._catching_up: dict[int, asyncio.Task] = {}
+        self._encoding: collections.defaultdict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         # Set by the shard: a delta for a fragment this peer owns is handed over without the network.
         self.on_local_delta: Callable[[Envelope], None] | None = None
         if server is not None:
@@ -391,33 +392,44 @@ class FragmentSync:
             self.store.end_send(p, accepted)
 
     async def _send_delta(self, p: int, live_fragment: torch.Tensor, base: Version, steps: int, tokens: int) -> bool:
-        delta = self.store.delta(p, base, live_fragment)  # (a snapshot taken from `self.pool` goes back to it
-        # once encoded, unless error feedback keeps Δ itself)
-        if delta is None:
-            self.stats["deltas_dropped_moved"] += 1  # the anchor moved since the snapshot; Δ would be wrong
-            self.store.carry(p, steps, tokens)
-            self.pool.give(live_fragment)
-            return False
-        residual = None
-        if self.feedback is not None:  # the residual carries what the codec dropped; θ[p] gives up all of Δ
-            residual = self.feedback.residual(str(p))
-            meta, payload = self.feedback.encode(str(p), delta)
-            merged: Move = delta
-        else:  # what the codec dropped stays in θ[p] and goes out with the next delta
-            meta, payload = self.codec.encode(delta)
-            merged = Encoded(self.codec, meta, payload)
-            del delta
-            self.pool.give(live_fragment)
-        carried = self.store.set_outstanding(p, base, merged, steps, tokens)
+        # Δ, its encoding and its signature are computed in worker threads: on the loop, 100 ms of CPU per large
+        # fragment would delay every message this peer answers (members' refreshes included)
+        anchor, label, generation = self.store.read(p)
+        if label != base or p in self.store.unset:
+            return self._moved(p, steps, tokens, live_fragment)
+        # Δ_p = Θ_p − θ[p] into the snapshot's own buffer (which goes back to `self.pool` once encoded, unless
+        # error feedback keeps Δ itself), outside the store's lock; a write of the anchor meanwhile is caught
+        # by its generation
+        delta = await asyncio.to_thread(torch.sub, anchor, live_fragment, out=live_fragment)
+        residual = produced = None
+        async with self._encoding[p]:  # one encode of p at a time: they share its error-feedback residual
+            if self.feedback is not None:  # the residual carries what the codec dropped; θ[p] gives up all of Δ
+                residual = self.feedback.residual(str(p))
+                meta, payload = await asyncio.to_thread(self.feedback.encode, str(p), delta)
+                produced = self.feedback.residual(str(p))
+                merged: Move = delta
+            else:  # what the codec dropped stays in θ[p] and goes out with the next delta
+                meta, payload = await asyncio.to_thread(self.codec.encode, delta)
+                merged = Encoded(self.codec, meta, payload)
+                del delta
+                self.pool.give(live_fragment)
+        carried = self.store.set_outstanding(p, base, merged, steps, tokens, generation=generation)
         if carried is not None and await self._deliver(p, base, *carried, meta, payload):
             return True
         if carried is None:
-            self.stats["deltas_dropped_moved"] += 1
-            self.store.carry(p, steps, tokens)
+            self._moved(p, steps, tokens)
         else:
             self.store.drop_outstanding(p)
-        if self.feedback is not None:  # not delivered: the residual before this encode still stands
-            self.feedback.restore(str(p), residual)
+        if self.feedback is not None and self.feedback.residual(str(p)) is produced:
+            self.feedback.restore(str(p), residual)  # not delivered: the residual before this encode stands
+        return False
+
+    def _moved(self, p: int, steps: int, tokens: int, snapshot: torch.Tensor | None = None) -> bool:
+        """The anchor moved since the snapshot: Δ would be wrong. Not sent; θ[p] keeps that progress."""
+        self.stats["deltas_dropped_moved"] += 1
+        self.store.carry(p, steps, tokens)
+        if snapshot is not None:
+            self.pool.give(snapshot)
         return False
 
     async def _deliver(self, p: int, base: Version, steps: int, tokens: int, meta: dict, payload: bytes) -> bool:
@@ -430,7 +442,7 @@ class FragmentSync:
             if not roles:
                 break
             owner = roles[0]
-            env = seal(self.identity, DELTA, self.spec.run_id, fields, payload)
+            env = await asyncio.to_thread(seal, self.identity, DELTA, self.spec.run_id, fields, payload)
             try:
                 if owner == self.members.peer_id and self.on_local_delta is not None:
                     self.on_local_delta(env)
