@@ -104,14 +104,21 @@ def summarize(run: FleetRun, fragments: int, nominal: dict[int, float]) -> dict[
     }
 
 
-def restart_s(run: FleetRun) -> float:
-    """Mean time from a relaunch to the learner's join (imports, checkpoint load, state download)."""
-    first = {}
+def restart_times(run: FleetRun) -> list[float]:
+    """Per relaunch (every incarnation of a slot but its first), the seconds from the harness starting the
+    process to the learner's report of its first inner step: interpreter and imports, numba kernels, model,
+    checkpoint, join and downloads, and that step. A relaunch killed before its first step is left out."""
+    first: dict[int, gp.Incarnation] = {}
     for inc in sorted(run.incarnations, key=lambda i: i.launched_at):
         first.setdefault(inc.slot, inc)
-    later = [i.joined_at - i.launched_at for i in run.incarnations
-             if i.joined_at is not None and first[i.slot] is not i]
-    return statistics.fmean(later) if later else 0.0
+    return [i.first_step_at - i.launched_at for i in run.incarnations
+            if i.first_step_at is not None and first[i.slot] is not i]
+
+
+def restart_s(run: FleetRun) -> float:
+    """The summary's `restart_s`: the median of `restart_times` (0 if nothing was relaunched)."""
+    times = restart_times(run)
+    return statistics.median(times) if times else 0.0
 
 
 def step_efficiency(run: FleetRun, nominal: dict[int, float], warmup_s: float = 3.0) -> float:
@@ -133,19 +140,21 @@ def unmerged_at_end_s(run: FleetRun, fragments: int, step_s: float) -> float:
 
 
 def sync_restart_s(run: FleetRun) -> float:
-    """Mean time from a synchronous job's relaunch to every learner joined (the rendezvous included)."""
+    """Mean time from a synchronous job's relaunch to every learner's first inner step (the rendezvous
+    included)."""
     spans = []
     for epoch in {i.epoch for i in run.incarnations if i.epoch > 0}:
         incs = [i for i in run.incarnations if i.epoch == epoch]
-        if all(i.joined_at is not None for i in incs):
-            spans.append(max(i.joined_at for i in incs) - min(i.launched_at for i in incs))
+        if all(i.first_step_at is not None for i in incs):
+            spans.append(max(i.first_step_at for i in incs) - min(i.launched_at for i in incs))
     return statistics.fmean(spans) if spans else 0.0
 
 
 def predict(run: FleetRun, opts: ChaosOptions, nominal: dict[int, float]) -> dict[str, Any]:
     """The simulator's goodput for this very fleet: its kill schedule replayed with the costs measured here.
 
-    Measured inputs: step time (1 / nominal rate), restart time, failure-free step efficiency, and (decoupled)
+    Measured inputs: step time (1 / nominal rate), restart time (process start to first inner step, the
+    simulator's `restart_s`; its mean), failure-free step efficiency, and (decoupled)
     the work still unmerged at the end of the run, which sets L = H/2 steps + merge latency. Configured: down
     time, checkpoint period (checkpoint_every steps), H, P. Detection costs 0: the harness aborts a sync job at
     once. The prediction is a check of the model, so none of the inputs is the goodput itself."""
@@ -160,7 +169,8 @@ def predict(run: FleetRun, opts: ChaosOptions, nominal: dict[int, float]) -> dic
     sync = run.mode == "sync"
     merge_latency = 0.0 if sync else max(0.0, unmerged_at_end_s(run, opts.fragments, step_s)
                                          - opts.inner_steps / 2 * step_s)
-    restart = sync_restart_s(run) if sync else restart_s(run)
+    times = restart_times(run)  # the simulator charges every restart the same: their mean
+    restart = sync_restart_s(run) if sync else statistics.fmean(times) if times else 0.0
     efficiency = min(1.0, step_efficiency(run, nominal))  # a hair above 1 is timing noise
     params = SimParams(step_s=step_s, inner_steps=opts.inner_steps, fragments=opts.fragments, detect_s=0.0,
                        downtime_s=opts.downtime_s, restart_s=restart, reconfig_s=0.0,
@@ -184,6 +194,11 @@ def run_chaos(opts: ChaosOptions, say: Callable[[str], None] = print) -> dict[st
                                                   indent=1))
     say(f"chaos: {opts.peers} learners, {opts.minutes:g} min per mode, MTBF {opts.mtbf_s:g} s, down time "
         f"{opts.downtime_s:g} s: {len(faults)} faults scheduled; output in {out}")
+
+    from diloco.protocol.codecs import load_kernels
+
+    load_kernels()  # a stale numba cache is rebuilt once, here, not by every learner at once (~6 s each): the
+    # learners, and every restart, then only load the kernels from the cache on disk
 
     def fleet(mode: str, spec: str, workdir: str, **kw: Any) -> Fleet:
         return Fleet(mode, specs[spec], out / workdir, opts.peers, opts.pace_s, opts.checkpoint_every,

@@ -1,4 +1,4 @@
-"""Goodput and the swarm's invariants, computed from what learners reported (DESIGN §8).
+"""Goodput and the swarm's invariants, computed from what learners reported (docs/architecture.md §10).
 
 Every figure here comes from the learners' own counters and version reports, as the chaos harness recorded them
 per incarnation (one process lifetime of one learner slot), never from the fault schedule:
@@ -40,6 +40,8 @@ class Incarnation:
     launched_at: float
     epoch: int = 0  # synchronous baseline: the number of fleet rollbacks before this incarnation
     joined_at: float | None = None
+    first_step_at: float | None = None  # when its first inner step was reported (the end of its restart)
+    startup: dict = field(default_factory=dict)  # its own start-up phases (s), as it reported them (node/train.py)
     ended_at: float | None = None
     start_merged: int = 0  # merged_steps (fragment-steps) when it joined, restored from a checkpoint
     last_merged: int = 0
@@ -87,7 +89,7 @@ def allocated_s(incarnations: list[Incarnation], end: float) -> dict[int, float]
 
 def goodput(incarnations: list[Incarnation], fragments: int, nominal_steps_per_s: dict[int, float], end: float,
             rollback: bool) -> float:
-    """DESIGN §8's goodput of one run."""
+    """The goodput of one run (docs/architecture.md §10)."""
     steps = merged_steps(incarnations, fragments, rollback)
     alloc = allocated_s(incarnations, end)
     possible = sum(alloc[s] * nominal_steps_per_s[s] for s in alloc)

@@ -4,13 +4,14 @@ This is an ordinary user of the Python API (`Learner`), the same loop an example
 Two options exist for the fault-injection harness (`node/chaos.py`): `pace_s` makes every inner step last at
 least that long, like an accelerator of fixed speed, so a learner does not speed up when a crashed neighbour
 frees CPU on a shared machine; `standalone` trains the same loop without any swarm (the nominal step rate of
-DESIGN §8).
+docs/architecture.md §10).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -66,19 +67,63 @@ def emit(opts: TrainOptions, event: str, **fields: Any) -> None:
         print(f"[{event}] {body}", flush=True)
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc, 10 ms resolution); None where unknown."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            start_ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Startup:
+    """Where a learner's start-up went, from process start to its first inner step, reported in its "first_step"
+    event: wall seconds per phase (`imports`: the interpreter and every import before `train` is called), their
+    `total`, and under `cpu` the same phases in CPU seconds of the whole process (CPU ÷ wall: the share of a
+    core it had)."""
+
+    def __init__(self) -> None:
+        age = process_age_s()
+        self._t, self._c = time.monotonic(), _cpu_s()
+        self._t0 = self._t - (age or 0.0)
+        self.wall: dict[str, float] = {"imports": round(age, 3)} if age is not None else {}
+        self.cpu: dict[str, float] = {"imports": round(self._c, 3)} if age is not None else {}
+
+    def mark(self, phase: str) -> None:
+        now, cpu = time.monotonic(), _cpu_s()
+        self.wall[phase], self.cpu[phase] = round(now - self._t, 3), round(cpu - self._c, 3)
+        self._t, self._c = now, cpu
+
+    def report(self) -> dict[str, Any]:
+        return {**self.wall, "total": round(self._t - self._t0, 3),
+                "cpu": {**self.cpu, "total": round(self._c, 3)}}
+
+
+def _cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
 def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: TrainOptions) -> dict[str, Any]:
     """Join the run and train until `opts.steps`; returns the summary it also emits."""
+    startup = Startup()
     torch.set_num_threads(1)
     spec = genesis.spec
     task = task_of(spec, opts.data)
     model = task.build_model().to(opts.device)
     optimizer = task.optimizer(model)
+    startup.mark("model")
     if opts.standalone:
-        return _train_alone(spec, task, model, optimizer, identity, opts)
+        return _train_alone(spec, task, model, optimizer, identity, opts, startup)
     learner = Learner(model, optimizer, genesis, identity=identity, config=config,
                       checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every)
+    startup.mark("learner")  # numba kernels, fragment plan, anchor memory
     t0 = time.monotonic()
     learner.start()
+    startup.mark("join")  # checkpoint load, DHT bootstrap, members, fragment downloads
     store = learner.swarm.store
     if opts.json:
         store.record_versions()  # report every version this learner moves to (the chaos harness checks them)
@@ -94,6 +139,10 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
             loss = _inner_step(model, optimizer, batches, opts)
             learner.step(tokens=task.tokens_per_batch, loss=loss)
             losses.append(loss)
+            if startup is not None:
+                startup.mark("first_step")
+                emit(opts, "first_step", step=learner.t, startup_s=startup.report())
+                startup = None
             _pace(opts, step_start)
             if opts.json and store.merged_steps != reported and learner.t % opts.progress_every:
                 # a version merged our delta: say so now (a learner killed before its next progress line
@@ -139,8 +188,8 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
 
 
 def _train_alone(spec: RunSpec, task: Task, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 identity: Identity, opts: TrainOptions) -> dict[str, Any]:
-    """The same inner loop with no swarm: what this learner does alone (the nominal rate of DESIGN §8)."""
+                 identity: Identity, opts: TrainOptions, startup: Startup | None = None) -> dict[str, Any]:
+    """The same inner loop with no swarm: this learner alone (the nominal rate of docs/architecture.md §10)."""
     shard = int.from_bytes(hashlib.sha256(identity.public_key).digest()[:4], "big")
     batches = task.batches(learner=shard, seed=spec.seed)
     emit(opts, "joined", peer_id=identity.peer_id, url="", join_s=0.0, step=0, standalone=True)
@@ -150,6 +199,10 @@ def _train_alone(spec: RunSpec, task: Task, model: torch.nn.Module, optimizer: t
             step_start = time.monotonic()
             losses.append(_inner_step(model, optimizer, batches, opts))
             steps += 1
+            if startup is not None:
+                startup.mark("first_step")
+                emit(opts, "first_step", step=steps, startup_s=startup.report())
+                startup = None
             _pace(opts, step_start)
             if steps % opts.progress_every == 0:
                 emit(opts, "progress", step=steps, loss=_mean(losses[-opts.progress_every:]),

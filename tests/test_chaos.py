@@ -1,4 +1,4 @@
-"""Chaos runs for real: learner processes killed with SIGKILL on a schedule, in both modes (DESIGN §8)."""
+"""Chaos runs for real: learners killed with SIGKILL on a schedule, in both modes (docs/architecture.md §10)."""
 
 import json
 import subprocess
@@ -120,3 +120,86 @@ def test_the_throttle_relay_forwards_both_ways_at_its_rate():
     finally:
         relay.stop()
         server.close()
+
+
+def test_restart_s_is_the_median_from_a_relaunch_to_its_first_inner_step():
+    from diloco.node.chaos import FleetRun
+    from diloco.node.chaos_run import restart_s, restart_times, sync_restart_s
+    from diloco.node.goodput import Incarnation
+
+    def inc(slot, launched, first_step, joined=None, epoch=0):
+        return Incarnation(slot, launched, epoch=epoch, joined_at=first_step - 0.5 if joined is None else joined,
+                           first_step_at=first_step)
+
+    run = FleetRun("decoupled", incarnations=[
+        inc(0, 50.0, 53.0, joined=52.9),  # relaunches (listed out of order): 3 s, 2 s and 14 s to the first step
+        inc(0, 0.0, 20.0), inc(1, 0.0, 21.0),  # the first launches are not restarts
+        inc(1, 60.0, 62.0), inc(0, 90.0, 104.0),
+        Incarnation(1, 100.0, ended_at=101.0, ended_by="fault"),  # killed before its first step: left out
+    ])
+    assert sorted(restart_times(run)) == [2.0, 3.0, 14.0]
+    assert restart_s(run) == 3.0  # the median (the mean, 6.3 s, is the simulator's input)
+    assert restart_s(FleetRun("no_failure", incarnations=[inc(0, 0.0, 5.0)])) == 0.0
+    sync = FleetRun("sync", incarnations=[inc(0, 0.0, 9.0), inc(1, 0.0, 9.5), inc(0, 100.0, 108.0, epoch=1),
+                                          inc(1, 100.2, 109.0, epoch=1)])
+    assert sync_restart_s(sync) == 9.0  # the whole job: first relaunch to the last learner's first step
+
+
+def test_the_harness_records_first_steps_and_leaves_a_starting_learner_a_cpu(tmp_path):
+    import os
+    import time
+
+    from diloco.node.chaos import Fleet
+    from diloco.node.goodput import Incarnation
+
+    fleet = Fleet("decoupled", tmp_path / "run.spec", tmp_path / "w", peers=3, pace_s=0.1, checkpoint_every=10,
+                  eval_every=0)
+    procs = []
+    try:
+        inc = Incarnation(0, time.monotonic())
+        startup = {"imports": 2.1, "model": 0.01, "learner": 0.7, "join": 0.2, "first_step": 0.1, "total": 3.1,
+                   "cpu": {"total": 3.0}}
+        fleet._apply(fleet.slots[0], inc, {"event": "first_step", "step": 101, "startup_s": startup})
+        assert inc.first_step_at is not None and inc.startup == startup
+        if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+            pytest.skip("needs CPU affinity and two CPUs")
+        cpus = sorted(os.sched_getaffinity(0))
+        for slot in fleet.slots:  # stand-ins for learner processes, with a thread each
+            slot.proc = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                                          "threading.Thread(target=time.sleep, args=(30,)).start()"])
+            slot.inc = Incarnation(slot.index, time.monotonic(), first_step_at=time.monotonic())
+            procs.append(slot.proc)
+        time.sleep(0.5)
+
+        def affinity(slot):
+            tasks = os.listdir(f"/proc/{slot.proc.pid}/task")
+            assert len(tasks) == 2
+            return {frozenset(os.sched_getaffinity(int(t))) for t in tasks}
+
+        fleet.slots[2].inc = Incarnation(2, time.monotonic())  # slot 2 restarts: no first step yet
+        fleet.share_cpus()
+        assert affinity(fleet.slots[0]) == affinity(fleet.slots[1]) == {frozenset(cpus[1:])}
+        assert affinity(fleet.slots[2]) == {frozenset(cpus)}
+        fleet.slots[2].inc.first_step_at = time.monotonic()  # it trains: everyone anywhere again
+        fleet.share_cpus()
+        assert all(affinity(s) == {frozenset(cpus)} for s in fleet.slots)
+    finally:
+        fleet.log.close()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_learner_reports_where_its_start_up_went_with_its_first_step(tmp_path, capsys):
+    from diloco.node.swarm import SwarmConfig
+    from diloco.node.train import TrainOptions, new_run, train
+    from diloco.protocol.identity import Identity
+
+    genesis = new_run(Identity.generate(), "startup", task="markov", inner_steps=10, fragments=2)
+    train(genesis, Identity.generate(), SwarmConfig(), TrainOptions(steps=2, json=True, standalone=True))
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [e["event"] for e in events] == ["joined", "first_step", "done"]
+    first = events[1]["startup_s"]
+    assert events[1]["step"] == 1
+    assert {"imports", "model", "first_step", "total", "cpu"} <= set(first)
+    assert first["total"] >= first["imports"] > 0 and first["cpu"]["total"] > 0

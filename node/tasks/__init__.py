@@ -13,6 +13,7 @@ Everything here is local computation: no module in this package may import the n
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,11 +23,37 @@ import torch
 from .data import Batch, ByteCorpus, CorpusError, MarkovSource, TokenSource, learner_generator
 from .model import GPT, GPTConfig
 
-__all__ = ["TASK_NAMES", "Batch", "ByteCorpus", "CorpusError", "GPT", "GPTConfig", "MarkovSource", "Task",
-           "TokenSource", "evaluate", "learner_generator", "make_task"]
+__all__ = ["TASK_NAMES", "Batch", "ByteCorpus", "CorpusError", "EagerAdamW", "GPT", "GPTConfig", "MarkovSource",
+           "Task", "TokenSource", "evaluate", "learner_generator", "make_task"]
 
 TASK_NAMES = ("markov", "kjv", "file:<path>")
 PRESETS = {"tiny": GPTConfig.tiny, "small": GPTConfig.small}
+
+
+def _eager(method):
+    """A `torch.optim.Optimizer` method without its `torch._disable_dynamo` wrapper (the same function)."""
+    return getattr(method, "__wrapped__", method)
+
+
+class EagerAdamW(torch.optim.AdamW):
+    """`torch.optim.AdamW`, the same update, state and state_dict, for eager training only.
+
+    torch's optimizers wrap `__init__`'s `add_param_group`, `step`, `zero_grad`, `state_dict` and
+    `load_state_dict` in guards against torch.compile, and the first call of any of them imports `torch._dynamo`:
+    about as much CPU as `import torch` itself (2.5 s here), paid by every learner at every start, before its
+    first inner step, and for nothing in eager mode. This class calls the same functions without the guards, so
+    the compiler stack is never imported. Do not use it inside `torch.compile`; `torch.optim.AdamW` is for that.
+    """
+
+    add_param_group = _eager(torch.optim.Optimizer.add_param_group)
+    zero_grad = _eager(torch.optim.Optimizer.zero_grad)
+    state_dict = _eager(torch.optim.Optimizer.state_dict)
+    load_state_dict = _eager(torch.optim.Optimizer.load_state_dict)
+    _step = inspect.unwrap(torch.optim.AdamW.step)  # under the profiler hook and `_use_grad_for_differentiable`
+
+    def step(self, closure=None):
+        with torch.set_grad_enabled(self.defaults["differentiable"]):  # what the guard does, less its graph breaks
+            return self._step(closure)
 
 
 @dataclass
@@ -59,10 +86,11 @@ class Task:
         return GPT(self.model, seed=self.seed)
 
     def optimizer(self, model: torch.nn.Module) -> torch.optim.AdamW:
+        """AdamW (`EagerAdamW`: a learner's start does not import torch's compiler stack)."""
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        return EagerAdamW(groups, lr=self.lr, betas=self.betas)
 
     def schedule(self, optimizer: torch.optim.Optimizer, total_steps: int | None = None,
                  min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
