@@ -77,9 +77,13 @@ class Replication:
     # -- owner side -----------------------------------------------------------------------------------------
 
     async def replicate(self, p: int, term: int, label: Version, update: Envelope, anchor: torch.Tensor,
-                        momentum: torch.Tensor | None) -> set[str]:
+                        momentum: torch.Tensor | None) -> set[str] | None:
         """Hand version `label` (the update `update`, giving `anchor`, and `momentum`) to p's replicas before
-        it is published; returns those that acknowledged."""
+        it is published; returns those that acknowledged (empty: p has no live replica in our view, or every
+        replica answered and refused). None when none acknowledged and one gave no answer at all: then the
+        version must not be published yet (if this owner died right after, no live peer would hold it, and
+        its successor would publish another version of that number); the silent replica is a suspect, or is
+        retried once it answers."""
         replicas = [r for r in self.members.roles(p)[1:] if r != self.members.peer_id]
         if not replicas:
             self.stats["published_without_live_replica"] += 1
@@ -89,9 +93,12 @@ class Replication:
         mmeta, mbytes = await asyncio.to_thread(self.codec.encode, momentum) if momentum is not None else (None, b"")
         fields = ReplicateFields(p, term, label, False, len(frame), mmeta).to_fields()
 
+        silent: set[str] = set()
+
         async def one(peer: str) -> str | None:
             url = self.members.url(peer)
             if url is None:
+                silent.add(peer)
                 return None
             try:
                 env = await asyncio.to_thread(seal, self.identity, REPLICATE, self.spec.run_id, fields, frame + mbytes)
@@ -104,9 +111,13 @@ class Replication:
                 self.stats[f"replicate_refused_{e.status}"] += 1
             except TransportError as e:
                 self.members.failed(peer, e)
+                silent.add(peer)
             return None
 
         acked = {r for r in await asyncio.gather(*(one(r) for r in replicas)) if r is not None}
+        if not acked and silent:
+            self.stats["publications_held_for_a_replica"] += 1
+            return None
         if not acked:
             self.stats["published_without_live_replica"] += 1
         return acked

@@ -267,6 +267,9 @@ class Shard:
             fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta, tuple(pub.learners)).to_fields()
             env = await asyncio.to_thread(seal, self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
             replicated = await self.replication.replicate(p, owner.term, pub.new, env, anchor, pub.momentum)
+            if replicated is None:  # replicas in view, none holds it: try again once the view has moved on
+                await asyncio.sleep(self.members.poll_s)  # (the failed replicas are suspects by now)
+                return None
             if self.owners.get(p) is not owner or self.store.label(p) != pub.base:
                 return None
             # the commit: no await from here on
