@@ -18,7 +18,7 @@ SEEDS = range(10)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_no_schedule_breaks_an_invariant(tmp_path, seed, saturated):
     opts = ChaosOptions(peers=4, minutes=0.75, mtbf_s=20.0, downtime_s=1.5, seed=seed, out=tmp_path,
-                        calibrate_s=5.0, checkpoint_every=40, eval_every=1000, no_failure=False, mode="decoupled",
+                        calibrate_s=12.0, checkpoint_every=40, eval_every=1000, no_failure=False, mode="decoupled",
                         owner_every=2, pace_s=0.02 if saturated else 0.12)
     mode = run_chaos(opts, say=lambda _: None)["decoupled"]
     assert mode["failures"] >= 2, "the schedule killed fewer than two learners"
