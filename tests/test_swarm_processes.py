@@ -82,15 +82,17 @@ def test_kill_9_of_a_learner_never_pauses_the_others_and_it_rejoins(fleet):
     victim.kill(signal.SIGKILL)
     wait_until(lambda: all(sum(e["t"] > killed_at + 8 for e in p.events("progress")) > 0 for p in survivors),
                60, "survivors to train on after the kill")
-    # A pause caused by the failure would stand out against the same survivor's own gaps just before it: on
-    # a shared 2-core machine the scheduler alone makes some steps several times longer than the median.
+    # A pause caused by the failure (waiting on the dead peer: a connect or a post deadline, seconds) would
+    # stand out against the same survivor's own gaps just before it: on a shared 2-core machine the scheduler
+    # alone makes some steps several times longer than the median, and the survivors' takeover of the dead
+    # peer's fragments runs on their loop threads meanwhile.
     for p in survivors:
         ev = p.events("progress")
         gaps = [(a["t"], b["t"] - a["t"]) for a, b in zip(ev, ev[1:], strict=False)]
         before = [g for t, g in gaps if killed_at - 8 <= t < killed_at]
         after = [g for t, g in gaps if killed_at <= t < killed_at + 8]
         step_time = statistics.median(before)
-        allowed = max(2 * step_time, max(before))
+        allowed = max(3 * step_time, 1.5 * max(before))
         assert max(after) <= allowed, (
             f"a survivor paused {max(after):.3f}s after the kill (step time {step_time:.3f}s, "
             f"longest gap before {max(before):.3f}s)"
