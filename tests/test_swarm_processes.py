@@ -92,7 +92,7 @@ def test_kill_9_of_a_learner_never_pauses_the_others_and_it_rejoins(fleet):
         before = [g for t, g in gaps if killed_at - 8 <= t < killed_at]
         after = [g for t, g in gaps if killed_at <= t < killed_at + 8]
         step_time = statistics.median(before)
-        allowed = max(3 * step_time, 1.5 * max(before))
+        allowed = max(3 * step_time, 2 * max(before))
         assert max(after) <= allowed, (
             f"a survivor paused {max(after):.3f}s after the kill (step time {step_time:.3f}s, "
             f"longest gap before {max(before):.3f}s)"
