@@ -80,6 +80,10 @@ class Membership:
         out.append(Member(self.peer_id, self.own_record(), now + self.ttl_s))
         return out
 
+    def servers(self) -> list[Member]:
+        """Live members other than this peer that accept connections (not client-mode, with a URL)."""
+        return [m for m in self.live() if m.peer_id != self.peer_id and not m.client_mode and m.url]
+
     def live_learners(self) -> set[str]:
         return {m.peer_id for m in self.live()}
 

@@ -294,8 +294,7 @@ class Shard:
                     self.members.failed(member.peer_id, e)
                     self.stats["push_failed"] += 1
 
-        await asyncio.gather(*(one(m) for m in self.members.live()
-                               if m.peer_id not in exclude and not m.client_mode and m.url))
+        await asyncio.gather(*(one(m) for m in self.members.servers() if m.peer_id not in exclude))
 
     async def _probe(self, peer: str) -> None:
         """Suspect `peer` (which moves its fragments to their replicas) if it does not answer within 2 s."""

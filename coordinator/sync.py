@@ -286,8 +286,7 @@ class FragmentSync:
         """For each fragment of `ps` that a live member holds at a version above ours: the highest such version
         and the members that hold it (GET /v1/versions of every live member at once, 2 s each; a member that
         does not answer is passed over)."""
-        members = [m for m in self.members.live()
-                   if m.peer_id != self.members.peer_id and not m.client_mode and m.url]
+        members = self.members.servers()
 
         async def ask(m) -> tuple[str, list[Version] | None]:
             try:

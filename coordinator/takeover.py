@@ -136,12 +136,10 @@ class Takeover:
         to another peer): ask the other live members for it (GET /v1/momentum/{p}?label=T.V), one after the
         other until one has it; a member that fails or answers something malformed is passed over."""
         numel = self.store.numel(p)
-        for m in self.members.live():
+        for m in self.members.servers():
             owner = self.owners.get(p)
             if owner is None or owner.momentum is not None or self.store.label(p) != label:
                 return
-            if m.peer_id == self.members.peer_id or m.client_mode or not m.url:
-                continue
             try:
                 body = await self.client.request("GET", m.url, f"/v1/momentum/{p}?label={label}", deadline_s=10.0,
                                                  max_response=momentum_body_max(numel))
