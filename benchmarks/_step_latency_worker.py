@@ -22,10 +22,11 @@ One inner step: a little real work (a precomputed noise chunk is added to a rota
 matrix, as an optimizer step would move them: ~6M floats, a few ms), then a sleep until PACE_S after the step's
 start, then `learner.step()`. Each record is (start, work, late, in_step, apply, lock, flatten, versions): seconds
 from the step's start to the end of the work, how late the loop came out of its sleep (past the pace; > 0 also
-when the work overran it), the time inside `learner.step()`, the parts of it spent in `_apply_new_versions`
-and in `plan.flatten` (the costly things `step` does), `lock`: in `store.take_changes` (inside `apply`) and
-`store.begin_send` (not inside it), i.e. waiting for the fragment store's lock, and the sum of the fragments'
-versions after the step.
+when the work overran it), the time inside `learner.step()`, the parts of it spent adding new versions into
+the model (`Theta._apply`, and `Theta._settle` when a due fragment's moves are applied at once) and copying due
+fragments out of it (`Theta._copy`; node/theta.py: the costly things `step` does), `lock`: in
+`store.take_changes` and `store.begin_send`, i.e. waiting for the fragment store's lock, and the sum of the
+fragments' versions after the step.
 
 Environment (set by step_latency.py): STEP_LATENCY_NUMEL (parameters, default 100M), STEP_LATENCY_H (the RunSpec's
 inner_steps, for --create), STEP_LATENCY_TTL_S (member TTL), STEP_LATENCY_PACE_S, STEP_LATENCY_STACKS (see
@@ -179,9 +180,11 @@ def main() -> None:
             cfg = SwarmConfig(peers=args[:1], member_ttl_s=ttl, member_refresh_s=ttl / 5, member_poll_s=0.5,
                               watch_s=1.0, join_timeout_s=60)
             learner = Learner(model, opt, Genesis.load(spec_path), config=cfg)
-            learner._apply_new_versions = timed(loop, "apply", learner._apply_new_versions)
-            learner.plan.flatten = timed(loop, "flatten", learner.plan.flatten)
             learner.start()
+            theta = learner.theta
+            theta._apply = timed(loop, "apply", theta._apply)
+            theta._settle = timed(loop, "apply", theta._settle)
+            theta._copy = timed(loop, "flatten", theta._copy)
             store = learner.swarm.store
             store.take_changes = timed(loop, "lock", store.take_changes)
             store.begin_send = timed(loop, "lock", store.begin_send)

@@ -15,9 +15,10 @@ stand-in for the accelerator's compute), then `learner.step()` (benchmarks/_step
 
 A step's time is the wall time of one whole iteration of that loop, from the start of one inner step to the
 start of the next: work + pacing sleep + `learner.step()` (50 ms plus however late the loop is). Its parts:
-`in_step` (the time inside `learner.step()`), of which `apply` (`_apply_new_versions`: new versions added into
-the model), `flatten` (copying a due fragment out of the model into a work buffer) and `lock` (waiting for the
-fragment store's lock: `store.take_changes`, part of `apply`, and `store.begin_send`, before a delta goes out); `late` (how far past its 50 ms mark the loop
+`in_step` (the time inside `learner.step()`), of which `apply` (new versions added into the model, a slice per
+step: node/theta.py), `flatten` (copying a due fragment out of the model into a work buffer, also a slice per
+step) and `lock` (waiting for the fragment store's lock: `store.take_changes` and `store.begin_send`, before a
+delta goes out); `late` (how far past its 50 ms mark the loop
 woke from its sleep: CPU contention, or work that overran the pace). `loop_lag` is measured apart, every 20 ms:
 how long a callback scheduled on the swarm's event loop from another thread waits before it runs (anything
 the loop thread does synchronously delays every message: a lag of seconds makes peers time out on each other).

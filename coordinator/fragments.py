@@ -296,17 +296,26 @@ class FragmentStore:
         with self.lock:
             return self.versions.take()
 
-    def take_changes(self, copy_replaced: Callable[[int, Tensor], None]) -> Changes:
+    def take_changes(self, copy_replaced: Callable[[int, Tensor], None],
+                     also: Callable[[list[Held]], object] | None = None, *, wait: bool = True) -> Changes | None:
         """For the training thread, at a step boundary: what to do to θ, and the labels θ is then based on.
 
         `copy_replaced(p, anchor)` writes each fragment installed whole into θ, inside the same critical
         section: an update landing after it goes into the next changes, never into both the copy and the
-        moves (θ would get it twice)."""
-        with self.lock:
+        moves (θ would get it twice). `also(held)` runs in that critical section too (a checkpoint reads the
+        anchors there: they are then exactly what θ is based on once these changes are applied); its result
+        is `Changes.also`. `wait=False`: None, at once, while another thread holds the lock (the event loop
+        writes anchors under it: the training thread takes the changes at its next step instead of waiting)."""
+        if not self.lock.acquire(blocking=wait):
+            return None
+        try:
             replaced, moves = self.rebase.take()
             for p in sorted(replaced):
                 copy_replaced(p, self.held[p].anchor)
-            return Changes(replaced, moves, [h.label for h in self.held])
+            extra = also(self.held) if also is not None else None
+            return Changes(replaced, moves, [h.label for h in self.held], extra)
+        finally:
+            self.lock.release()
 
 
 def _plain_fp32(t: Tensor) -> bool:

@@ -188,6 +188,41 @@ class FragmentPlan:
         """Copy a 1-D fragment back into the tensors of `params`, in place (dtype cast, no reallocation)."""
         self._each_slice(p, flat, params, Tensor.copy_)
 
+    def copy_range(self, p: int, params: Mapping[str, Tensor], out: Tensor, start: int, stop: int) -> int:
+        """out[start:stop] := fragment p of `params` there (`out` a flat fp32 buffer of the fragment's size), for
+        copying a fragment out a slice at a time. A tensor that is not contiguous is copied whole, from the
+        slice that holds its first element; returns the end of what was copied (≥ `stop`)."""
+        return self._each_range(p, out, params, start, stop, lambda t, part: part.copy_(t))
+
+    def add_range(self, p: int, flat: Tensor, params: Mapping[str, Tensor], start: int, stop: int) -> int:
+        """params[fragment p][start:stop] += flat[start:stop] (`flat` the whole flat fragment), in place; the
+        same rule for tensors that are not contiguous as `copy_range`."""
+        return self._each_range(p, flat, params, start, stop, Tensor.add_)
+
+    def _each_range(self, p: int, flat: Tensor, params: Mapping[str, Tensor], start: int, stop: int, op) -> int:
+        fragment = self.fragments[p]
+        if flat.dim() != 1 or flat.numel() != fragment.numel:
+            raise ValueError(
+                f"fragment {p} holds {fragment.numel} elements, got a tensor of shape {tuple(flat.shape)}"
+            )
+        end = start
+        with torch.no_grad():
+            offset = 0
+            for t in self._tensors(p, params):
+                n = t.numel()
+                lo, hi = max(start, offset), min(stop, offset + n)
+                if lo < hi:
+                    if t.is_contiguous():
+                        op(t.view(-1)[lo - offset : hi - offset], flat[lo:hi])
+                        end = max(end, hi)
+                    elif lo == offset:  # whole, once: from the range that holds its first element
+                        op(t, flat[offset : offset + n].view(t.shape))
+                        end = max(end, offset + n)
+                    else:
+                        end = max(end, offset + n)  # copied with an earlier range
+                offset += n
+        return max(end, min(stop, fragment.numel))
+
     def _each_slice(self, p: int, flat: Tensor, params: Mapping[str, Tensor], op) -> None:
         """op(tensor, its slice of `flat`) for every tensor of fragment p, in plan order."""
         fragment = self.fragments[p]

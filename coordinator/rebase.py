@@ -33,6 +33,7 @@ class Changes:
     replace: set[int]
     moves: dict[int, list[Move]]
     labels: list[Version]
+    also: object = None  # what `take_changes(also=...)` returned
 
 
 class RebaseLedger:

@@ -1,0 +1,306 @@
+"""θ's half of the rebase rule, done at the training thread's step boundaries within a small time budget per
+step (docs/architecture.md §5.3).
+
+At 100M parameters, one new version of one fragment means decoding two int8 tensors of 12.5M elements and
+adding them into the model (tens of milliseconds), and sending a fragment means copying it out of the model
+(about 18 ms). Paid inside one step, that is a stall the user's loop sees. So:
+
+- a summer thread decodes each fragment's moves and sums them into one fp32 buffer, off the training thread;
+- the training thread adds those sums into θ a slice at a time, for at most a share of a step's time per step
+  (at least one slice, so it always gets on);
+- a fragment due to be sent is copied out of θ the same way, a slice per step, while its own moves wait; once
+  copied, the snapshot goes out (`submit`).
+
+Both are exact element by element. Every move reaches every element of θ once. A snapshot element copied k
+steps after another is still θ_i at the moment it was copied, so Δ_i = Θ_base,i − θ_i holds, and the progress
+made after that moment stays in θ for the next delta. A due fragment with moves still waiting is copied once
+they are applied (they go first); after `MAX_DEFER` steps, whatever it waits for is done at once: a bounded
+stall rather than a delta built on a stale base, which its owner would refuse.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from diloco.coordinator.buffers import BufferPool
+from diloco.coordinator.fragments import FragmentStore, Held, Move
+from diloco.coordinator.plan import FragmentPlan
+from diloco.coordinator.version import Version
+
+from .swarm import SwarmFailed
+
+SLICE = 1 << 20  # elements per slice: about 1 ms to add or copy on one core
+MAX_DEFER = 8  # steps a due fragment may wait for its own moves before they are applied at once
+BUDGET_SHARE = 0.06  # of the step time, spent per step on θ's side of the rebase rule
+MIN_BUDGET_S = 0.001
+MAX_SKIPS = 4  # steps in a row that may leave the store's changes for later while its lock is busy
+
+
+@dataclass
+class _Sum:
+    """Moves of one fragment summed into `buf`; θ[p] is based on `label` once all of it is added."""
+
+    buf: Tensor
+    label: Version
+    done: int = 0  # elements already added into θ[p]
+    started: bool = False  # the training thread has begun adding it: nothing may be summed into it any more
+    busy: bool = False  # the summer is adding a batch into it
+    dropped: bool = False  # θ[p] was replaced meanwhile: the summer gives `buf` back when done
+
+
+@dataclass
+class _Batch:
+    p: int
+    epoch: int
+    moves: list[Move]
+    label: Version
+
+
+@dataclass
+class _Snapshot:
+    buf: Tensor
+    base: Version
+    done: int = 0  # elements copied
+
+
+class Theta:
+    """Applies new versions to θ and copies due fragments out of it, a bounded slice of work per step.
+
+    `submit(p, snapshot, base)` receives each finished snapshot (a `pool` buffer, the caller's from then on);
+    `replaced(p)` is told of each fragment installed whole (θ[p] overwritten: its local progress is gone).
+    `background=False` does everything inline at once (the synchronous baseline, whose steps wait anyway)."""
+
+    def __init__(self, store: FragmentStore, plan: FragmentPlan, params: Mapping[str, Tensor], pool: BufferPool,
+                 submit: Callable[[int, Tensor, Version], None], replaced: Callable[[int], None], *,
+                 background: bool = True) -> None:
+        self.store, self.plan, self.params, self.pool = store, plan, params, pool
+        self._submit, self._replaced = submit, replaced
+        P = len(plan.fragments)
+        self.base: list[Version] = store.labels()  # per fragment, the version θ[p] is based on
+        self.step_time_s = 0.0  # the caller's step time, for the budget
+        self._numel = [f.numel for f in plan.fragments]
+        self._due: dict[int, int] = {}  # p -> steps it has been due
+        self._snaps: dict[int, _Snapshot] = {}
+        self._sums: list[deque[_Sum]] = [deque() for _ in range(P)]
+        self._epoch = [0] * P  # bumped when θ[p] is replaced: batches of an older epoch are moot
+        self._queue: deque[_Batch] = deque()
+        self._summing: _Batch | None = None
+        self._error: BaseException | None = None
+        self._skipped = 0  # steps in a row whose take found the store's lock busy
+        self._closed = False
+        self._cond = threading.Condition()  # guards _sums, _epoch, _queue, _summing, _error, _closed
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._summer, name="diloco-theta", daemon=True)
+            self._thread.start()
+
+    # -- the training thread ----------------------------------------------------------------------------------
+
+    def due(self, p: int) -> None:
+        """Fragment p is to be sent: its snapshot starts at a coming step boundary."""
+        self._due.setdefault(p, 0)
+
+    def step(self) -> None:
+        """At a step boundary: take what the store has for θ, then work until the step's budget is spent."""
+        deadline = time.perf_counter() + max(MIN_BUDGET_S, BUDGET_SHARE * self.step_time_s)
+        self._raise_error()
+        self._take(wait=self._thread is None)
+        if self._thread is None:
+            self._settle_all()
+        self._start_due(force=self._thread is None)
+        first = True
+        for p in list(self._snaps):
+            first = self._copy(p, None if self._thread is None else deadline, first)
+        for p in sorted(range(len(self._sums)), key=lambda q: q not in self._due):
+            if p not in self._snaps:
+                first = self._apply(p, None if self._thread is None else deadline, first)
+
+    def flush(self, also: Callable[[list[Held]], object] | None = None) -> object:
+        """Everything now: the store's changes taken (with `also` run inside the same critical section, see
+        `FragmentStore.take_changes`), snapshots in progress finished and sent, every move applied. Returns
+        what `also` returned. Due fragments not started yet stay due."""
+        self._raise_error()
+        extra = self._take(also)
+        for p in list(self._snaps):
+            self._copy(p, None, True)
+        self._settle_all()
+        return extra
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _take(self, also: Callable[[list[Held]], object] | None = None, wait: bool = True) -> object:
+        """The store's changes for θ. `wait=False`: none this step if the store's lock is busy (the loop
+        writes an anchor under it, tens of milliseconds at 100M parameters), unless that was already so at
+        the last `MAX_SKIPS` steps."""
+        copy = lambda p, anchor: self.plan.unflatten_into(p, anchor, self.params)  # noqa: E731
+        changes = self.store.take_changes(copy, also, wait=wait or self._skipped >= MAX_SKIPS)
+        if changes is None:
+            self._skipped += 1
+            return None
+        self._skipped = 0
+        for p in sorted(changes.replace):
+            self._reset(p)
+            self.base[p] = changes.labels[p]
+            self._replaced(p)
+        if changes.moves:
+            with self._cond:
+                for p, moves in sorted(changes.moves.items()):
+                    self._queue.append(_Batch(p, self._epoch[p], moves, changes.labels[p]))
+                self._cond.notify_all()
+        return changes.also
+
+    def _reset(self, p: int) -> None:
+        """θ[p] was overwritten by a whole download: what waited for it is moot; a due snapshot starts over."""
+        with self._cond:
+            self._epoch[p] += 1
+            self._queue = deque(b for b in self._queue if b.p != p)
+            for s in self._sums[p]:
+                if s.busy:
+                    s.dropped = True
+                else:
+                    self.pool.give(s.buf)
+            self._sums[p].clear()
+        snap = self._snaps.pop(p, None)
+        if snap is not None:
+            self.pool.give(snap.buf)
+            self._due.setdefault(p, 0)
+
+    def _start_due(self, force: bool) -> None:
+        for p in sorted(self._due, key=self._due.get, reverse=True):
+            if p in self._snaps:
+                continue
+            with self._cond:
+                waiting = self._waiting(p)
+            if waiting:
+                self._due[p] += 1
+                if not force and self._due[p] <= MAX_DEFER:
+                    continue
+                self._settle(p)
+            del self._due[p]
+            self._snaps[p] = _Snapshot(self.pool.take(self._numel[p]), self.base[p])
+
+    def _copy(self, p: int, deadline: float | None, first: bool) -> bool:
+        """Copy slices of θ[p] into its snapshot until `deadline` (None: all); send it once complete."""
+        snap, n = self._snaps[p], self._numel[p]
+        while snap.done < n and (first or deadline is None or time.perf_counter() < deadline):
+            snap.done = self.plan.copy_range(p, self.params, snap.buf, snap.done, min(snap.done + SLICE, n))
+            first = False
+        if snap.done >= n:
+            del self._snaps[p]
+            self._submit(p, snap.buf, snap.base)
+        return first
+
+    def _apply(self, p: int, deadline: float | None, first: bool) -> bool:
+        """Add slices of p's sums into θ[p], oldest first, until `deadline` (None: all of them)."""
+        n = self._numel[p]
+        while first or deadline is None or time.perf_counter() < deadline:
+            with self._cond:
+                s = self._sums[p][0] if self._sums[p] and not self._sums[p][0].busy else None
+                if s is None:
+                    return first
+                s.started = True
+            s.done = self.plan.add_range(p, s.buf, self.params, s.done, min(s.done + SLICE, n))
+            first = False
+            if s.done >= n:
+                with self._cond:
+                    self._sums[p].popleft()
+                self.pool.give(s.buf)
+                self.base[p] = s.label
+        return first
+
+    def _settle(self, p: int) -> None:
+        """Every move of p into θ[p] now: the summer's batch of p finished, the rest decoded here."""
+        with self._cond:
+            mine = [b for b in self._queue if b.p == p]
+            self._queue = deque(b for b in self._queue if b.p != p)
+            self._cond.wait_for(lambda: self._summing is None or self._summing.p != p)
+        self._raise_error()
+        self._apply(p, None, True)
+        for batch in mine:
+            buf = self.pool.take(self._numel[p])
+            try:
+                self._sum_into(p, batch.moves, buf, fresh=True)
+                self.plan.add_into(p, buf, self.params)
+            finally:
+                self.pool.give(buf)
+            self.base[p] = batch.label
+
+    def _settle_all(self) -> None:
+        for p in range(len(self._sums)):
+            if p not in self._snaps:
+                self._settle(p)
+
+    def _waiting(self, p: int) -> bool:
+        """Moves of p not yet in θ[p] (with `_cond` held)."""
+        return bool(self._sums[p]) or any(b.p == p for b in self._queue) or (
+            self._summing is not None and self._summing.p == p)
+
+    def _raise_error(self) -> None:
+        with self._cond:
+            error = self._error
+        if error is not None:
+            raise SwarmFailed(f"decoding a new version's moves failed ({type(error).__name__}: {error}); θ no "
+                              "longer follows the swarm; restart this learner") from error
+
+    # -- the summer thread ------------------------------------------------------------------------------------
+
+    def _summer(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if self._closed:
+                    return
+                batch = self._queue.popleft()
+                p = batch.p
+                last = self._sums[p][-1] if self._sums[p] else None
+                target = last if last is not None and not last.started and not last.busy else None
+                if target is not None:
+                    target.busy = True
+                self._summing = batch
+            buf = target.buf if target is not None else self.pool.take(self._numel[p])
+            error = None
+            try:
+                self._sum_into(p, batch.moves, buf, fresh=target is None)
+            except Exception as e:  # noqa: BLE001 - reported to the training thread at its next step
+                error = e
+            with self._cond:
+                self._summing = None
+                if error is not None:
+                    self._error = error
+                if target is not None:
+                    target.busy = False
+                    if target.dropped:
+                        self.pool.give(buf)
+                    else:
+                        target.label = batch.label
+                elif batch.epoch == self._epoch[p] and error is None:
+                    self._sums[p].append(_Sum(buf, batch.label))
+                else:
+                    self.pool.give(buf)
+                self._cond.notify_all()
+
+    def _sum_into(self, p: int, moves: list[Move], buf: Tensor, fresh: bool) -> None:
+        """buf := Σ moves (`fresh`), or buf += Σ moves."""
+        n = self._numel[p]
+        for i, move in enumerate(moves):
+            if fresh and i == 0:
+                if isinstance(move, Tensor):
+                    buf.copy_(move.reshape(-1))
+                else:
+                    move.decode(n, out=buf)
+            elif isinstance(move, Tensor):
+                buf.add_(move.reshape(-1))
+            else:
+                with self.pool.borrow(n) as scratch:
+                    buf.add_(move.decode(n, out=scratch))
