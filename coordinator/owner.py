@@ -35,7 +35,7 @@ class PendingDelta:
     steps: int
     tokens: int
     meta: dict
-    payload: bytes
+    payload: bytes | memoryview  # the codec bytes as they arrived (not copied)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from diloco.protocol import canonical
-from diloco.protocol.envelope import MAX_HEADER_BYTES, SIGNATURE_BYTES, register_kind
+from diloco.protocol.envelope import MAX_HEADER_BYTES, SIGNATURE_BYTES, join_bytes, register_kind
 from diloco.protocol.errors import Malformed
 
 from .version import Version
@@ -159,10 +159,10 @@ def momentum_body_max(numel: int) -> int:
     return 4 + 4096 + 4 * numel
 
 
-def pack_momentum(meta: dict, payload: bytes | memoryview) -> bytes:
+def pack_momentum(meta: dict, payload: bytes | memoryview) -> memoryview:
     """Body of GET /v1/momentum/{p}: u32 big-endian length of the codec meta (canonical msgpack), meta, payload."""
     head = canonical.packb(meta)
-    return struct.pack(">I", len(head)) + head + bytes(payload)
+    return join_bytes(struct.pack(">I", len(head)) + head, payload)
 
 
 def parse_momentum(body: bytes) -> tuple[dict, bytes]:

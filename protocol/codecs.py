@@ -45,7 +45,7 @@ class Codec(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Payload]:
         """Encode any float tensor (any shape, contiguous or not, any device; read as float32).
 
         Returns `meta` (str keys; int/str/list values; always "codec" and "shape") and the payload.
@@ -112,6 +112,20 @@ def get_codec(name: str) -> Codec:
 
 
 # --- helpers shared by every codec (and the hivemind adapter) -----------------------------------------------
+
+
+def owned_bytes(array: np.ndarray) -> memoryview:
+    """A read-only byte view of `array`, a buffer the encoder allocated (so never aliasing the caller's tensor).
+    Payloads are handed on as such views: `ndarray.tobytes()` would copy megabytes while holding the GIL,
+    stalling every other thread of the process (the training thread among them) for that long."""
+    return memoryview(array.reshape(-1).view(np.uint8)).toreadonly()
+
+
+def copied_bytes(x: torch.Tensor) -> memoryview:
+    """The bytes of `x` in a new buffer, copied by torch (which releases the GIL while it copies)."""
+    out = torch.empty(x.numel() * x.element_size(), dtype=torch.uint8)
+    out.copy_(x.reshape(-1).view(torch.uint8))
+    return owned_bytes(out.numpy())
 
 
 def flat_float32(tensor: torch.Tensor) -> torch.Tensor:
@@ -275,10 +289,10 @@ class Fp32Codec(_FlatCodec):
 
     name = "fp32"
 
-    def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Payload]:
         x = flat_float32(tensor)
         abs_max_bits(x)
-        return self._meta(tensor), x.numpy().tobytes()
+        return self._meta(tensor), copied_bytes(x)
 
     def _payload_len(self, numel: int, block: int) -> int:
         return 4 * numel
@@ -295,11 +309,11 @@ class Fp16Codec(_FlatCodec):
 
     name = "fp16"
 
-    def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Payload]:
         x = flat_float32(tensor)
         if abs_max_bits(x) > _FP16_MAX_BITS:
             x = x.clamp(-FP16_MAX, FP16_MAX)
-        return self._meta(tensor), x.to(torch.float16).numpy().tobytes()
+        return self._meta(tensor), owned_bytes(x.to(torch.float16).numpy())
 
     def _payload_len(self, numel: int, block: int) -> int:
         return 2 * numel
@@ -316,11 +330,11 @@ class Bf16Codec(_FlatCodec):
 
     name = "bf16"
 
-    def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Payload]:
         x = flat_float32(tensor)
         if abs_max_bits(x) > _BF16_MAX_BITS_F32:
             x = x.clamp(-_BF16_MAX, _BF16_MAX)
-        return self._meta(tensor), x.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        return self._meta(tensor), owned_bytes(x.to(torch.bfloat16).view(torch.int16).numpy())
 
     def _payload_len(self, numel: int, block: int) -> int:
         return 2 * numel
@@ -351,14 +365,14 @@ class Int8Codec(_FlatCodec):
     def __init__(self, block: int = 512) -> None:
         self.block = block
 
-    def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Payload]:
         x = flat_float32(tensor)
         nblocks = -(-x.numel() // self.block)
         buf = np.empty(self.encoded_size(x.numel()), np.uint8)
         scales, codes = buf[: 4 * nblocks].view(np.float32), buf[4 * nblocks :].view(np.int8)
         if not K.int8_encode(x.numpy(), self.block, scales, codes):
             raise Malformed("tensor contains non-finite values")
-        return self._meta(tensor), buf.tobytes()
+        return self._meta(tensor), owned_bytes(buf)
 
     def _payload_len(self, numel: int, block: int) -> int:
         return 4 * -(-numel // block) + numel
@@ -401,14 +415,14 @@ class Int4Codec(_FlatCodec):
             raise ValueError("int4 block must be even")
         self.block = block
 
-    def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Payload]:
         x = flat_float32(tensor)
         nblocks = -(-x.numel() // self.block)
         buf = np.empty(self.encoded_size(x.numel()), np.uint8)
         scales, packed = buf[: 2 * nblocks].view(np.uint16), buf[2 * nblocks :]
         if not K.int4_encode(x.numpy(), self.block, scales, packed):
             raise Malformed("tensor contains non-finite values")
-        return self._meta(tensor), buf.tobytes()
+        return self._meta(tensor), owned_bytes(buf)
 
     def _payload_len(self, numel: int, block: int) -> int:
         return 2 * -(-numel // block) + (numel + 1) // 2
@@ -441,7 +455,7 @@ class ErrorFeedback:
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
         self._residuals: dict[str, torch.Tensor] = {}
 
-    def encode(self, key: str, tensor: torch.Tensor) -> tuple[dict[str, Any], bytes]:
+    def encode(self, key: str, tensor: torch.Tensor) -> tuple[dict[str, Any], Payload]:
         x = flat_float32(tensor).view(tensor.shape)
         carried = self._residuals.get(key)
         if carried is None:

@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from . import canonical
 from .errors import BadSignature, Expired, Malformed, NotMember, ProtocolError, Replayed, TooLarge, WrongRun
 from .identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, peer_id_of, verify
@@ -75,6 +77,11 @@ class Envelope:
 
     def to_bytes(self) -> bytes:
         return self.prefix() + bytes(self.payload)
+
+    def frame(self) -> memoryview:
+        """The whole frame, as `to_bytes`, joined without holding the GIL (`join_bytes`): for frames of
+        fragment size, which are kept and served."""
+        return join_bytes(self.prefix(), self.payload)
 
     def frame_size(self) -> int:
         return _PREFIX.size + len(self.header) + SIGNATURE_BYTES + len(self.payload)
@@ -297,12 +304,12 @@ class EnvelopeVerifier:
                 raise Malformed("Content-Length does not match the envelope's payload_len")
             payload = bytearray(n)
             digest = hashlib.sha256()
-            view = memoryview(payload)
+            view = np.frombuffer(payload, np.uint8) if n else None  # (numpy copies without holding the GIL)
             pos = 0
             async for part in reader.rest():
                 if pos + len(part) > n:
                     raise Malformed(f"payload longer than the {n} bytes its header declares")
-                view[pos : pos + len(part)] = part
+                view[pos : pos + len(part)] = np.frombuffer(part, np.uint8)
                 digest.update(part)
                 pos += len(part)
             if pos != n:
@@ -313,6 +320,19 @@ class EnvelopeVerifier:
             self.release(h)
             raise
         return _envelope(h, header, signature, payload)
+
+
+def join_bytes(*parts: bytes | bytearray | memoryview) -> memoryview:
+    """The parts concatenated into one new read-only buffer. numpy copies without holding the GIL; `a + b`
+    and `bytes(view)` hold it for the whole copy (about 10 ms per 12.5 MB, during which no other thread of
+    the process runs Python: the training thread waits)."""
+    views = [memoryview(p).cast("B") if memoryview(p).format != "B" else memoryview(p) for p in parts]
+    out = np.empty(sum(v.nbytes for v in views), np.uint8)
+    pos = 0
+    for v in views:
+        out[pos : pos + v.nbytes] = np.frombuffer(v, np.uint8)
+        pos += v.nbytes
+    return memoryview(out).toreadonly()
 
 
 def _envelope(h: dict[str, Any], header: bytes, signature: bytes, payload: Any) -> Envelope:

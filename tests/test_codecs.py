@@ -197,7 +197,17 @@ def test_cuda_tensor_is_moved_to_cpu_before_encoding() -> None:
 
 
 def encoded(name: str, n: int = 1000) -> tuple[dict, bytes]:
-    return get_codec(name).encode(gaussian(n))
+    meta, data = get_codec(name).encode(gaussian(n))
+    return meta, bytes(data)  # (a read-only view of the encoder's own buffer: bytes, to edit it here)
+
+
+@pytest.mark.parametrize("name", OURS)
+def test_a_payload_is_its_own_buffer_never_a_view_of_the_tensor_encoded(name: str) -> None:
+    x = gaussian(1000)
+    meta, data = get_codec(name).encode(x)
+    before = bytes(data)
+    x.fill_(7.0)  # the caller reuses its buffer (a pooled work buffer) right after encoding
+    assert bytes(data) == before and memoryview(data).readonly
 
 
 @pytest.mark.parametrize("name", OURS)
