@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Callable
 
 import torch
 from aiohttp import web
 
 from diloco.protocol.codecs import Codec, get_codec
-from diloco.protocol.envelope import Envelope, EnvelopeVerifier, seal
+from diloco.protocol.envelope import Envelope, EnvelopeVerifier, join_bytes, seal
 from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
 from diloco.protocol.identity import Identity
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
@@ -30,7 +31,7 @@ from .fragments import DigestMismatch, Encoded, FragmentStore, anchor_digest
 from .membership import Membership
 from .runspec import RunSpec
 from .sync import STATEFUL_POST_FLOOR_S, FragmentSync
-from .version import Version
+from .version import GENESIS, Version
 from .wire import (
     REPLICATE,
     ROUTE_MOMENTUM,
@@ -65,6 +66,9 @@ class Replication:
         self.sync, self.codec, self.pool, self.stats = sync, codec, pool, stats
         self.kept: dict[int, tuple[Version, Encoded | None]] = {}  # p -> replicated (version, momentum)
         self.terms_seen = [0] * len(store)  # p -> the highest term an owner replicated to us
+        self._resumed = any(label != GENESIS for label in store.labels())  # (`_alone`)
+        self.seen_others = False  # another member was ever in our view (set by the shard too)
+        self._alone_since: float | None = None
         # (p, version, momentum) of a full replication: a hand-over that may arrive after we took p over
         self.on_handover: Callable[[int, Version, Encoded], None] = lambda p, label, momentum: None
         server.add_envelope_route(ROUTE_REPLICATE, verifier, self._on_replicate, kinds={REPLICATE})
@@ -79,19 +83,18 @@ class Replication:
     async def replicate(self, p: int, term: int, label: Version, update: Envelope, anchor: torch.Tensor,
                         momentum: torch.Tensor | None) -> set[str] | None:
         """Hand version `label` (the update `update`, giving `anchor`, and `momentum`) to p's replicas before
-        it is published; returns those that acknowledged (empty: p has no live replica in our view, or every
-        replica answered and refused). None when none acknowledged and one gave no answer at all: then the
-        version must not be published yet (if this owner died right after, no live peer would hold it, and
-        its successor would publish another version of that number); the silent replica is a suspect, or is
-        retried once it answers."""
+        it is published; returns those that acknowledged (empty: nobody else is alive, `_alone`). None when none
+        acknowledged: then the version must not be published yet (if this owner died right after, no live
+        peer would hold it, and its successor would publish another version of that number); a silent
+        replica is a suspect, or is retried once it answers."""
         replicas = [r for r in self.members.roles(p)[1:] if r != self.members.peer_id]
         if not replicas:
-            self.stats["published_without_live_replica"] += 1
-            return set()
-        frame = update.to_bytes()
-        # (encoded and sealed in worker threads: the loop keeps answering meanwhile)
+            return self._alone()
+        self.seen_others, self._alone_since = True, None
+        # (encoded, joined and sealed in worker threads: the loop keeps answering meanwhile)
         mmeta, mbytes = await asyncio.to_thread(self.codec.encode, momentum) if momentum is not None else (None, b"")
-        fields = ReplicateFields(p, term, label, False, len(frame), mmeta).to_fields()
+        payload = await asyncio.to_thread(join_bytes, update.prefix(), update.payload, mbytes)
+        fields = ReplicateFields(p, term, label, False, update.frame_size(), mmeta).to_fields()
 
         silent: set[str] = set()
 
@@ -101,7 +104,7 @@ class Replication:
                 silent.add(peer)
                 return None
             try:
-                env = await asyncio.to_thread(seal, self.identity, REPLICATE, self.spec.run_id, fields, frame + mbytes)
+                env = await asyncio.to_thread(seal, self.identity, REPLICATE, self.spec.run_id, fields, payload)
                 await self.client.send_envelope(url, ROUTE_REPLICATE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
                 return peer
             except RemoteError as e:
@@ -118,9 +121,26 @@ class Replication:
         if not acked and silent:
             self.stats["publications_held_for_a_replica"] += 1
             return None
-        if not acked:
-            self.stats["published_without_live_replica"] += 1
-        return acked
+        return acked or self._alone()
+
+    def _alone(self) -> set[str] | None:
+        """No replica holds the version: publish it (an empty set) only if no other peer that could hold it is
+        alive, else wait (None) until one is a replica. A version held by its owner alone is forked by the next
+        owner if this one dies before anybody else got it. Alone, wait one member TTL first if this peer has
+        seen others or resumed a run's versions: a peer that was alive until just now may be restarting, with
+        newer versions in its journal (docs/architecture.md §6.5)."""
+        now = time.monotonic()
+        if self.members.servers():
+            self.seen_others, self._alone_since = True, None
+            self.stats["publications_held_for_a_holder"] += 1
+            return None
+        if self._alone_since is None:
+            self._alone_since = now
+        if (self.seen_others or self._resumed) and now - self._alone_since < self.members.ttl_s:
+            self.stats["publications_held_while_alone"] += 1
+            return None
+        self.stats["published_without_live_replica"] += 1
+        return set()
 
     async def send_full(self, p: int, peer: str, term: int, momentum: torch.Tensor, cert: bytes,
                         anchor: torch.Tensor) -> bool:
@@ -131,7 +151,7 @@ class Replication:
             return False
         label = UpdateFields.parse(self.sync.verifier.certificate(cert).fields, len(self.store)).new
         fields = ReplicateFields(p, term, label, True, len(cert), None).to_fields()
-        payload = cert + anchor.numpy().tobytes() + momentum.contiguous().numpy().tobytes()
+        payload = await asyncio.to_thread(join_bytes, cert, anchor.numpy(), momentum.contiguous().numpy())
         try:
             env = await asyncio.to_thread(seal, self.identity, REPLICATE, self.spec.run_id, fields, payload)
             await self.client.send_envelope(url, ROUTE_REPLICATE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
@@ -150,12 +170,12 @@ class Replication:
         self.terms_seen[f.p] = max(self.terms_seen[f.p], f.term)
         head, rest = payload[: f.update_len], payload[f.update_len :]
         if not f.full:
-            update = self.sync.verifier.open(bytes(head), fresh=False)
+            update = self.sync.verifier.open(head, fresh=False)  # (views, not copies: see `join_bytes`)
             try:
                 await self.sync.apply_update(update, verify=True)
             except (StaleVersion, DigestMismatch) as e:
                 raise StaleVersion(f"replica cannot apply this update ({e}); send the full state") from None
-            momentum = Encoded(self.codec, f.momentum, bytes(rest)) if f.momentum else None
+            momentum = Encoded(self.codec, f.momentum, await asyncio.to_thread(join_bytes, rest)) if f.momentum else None
             if momentum is not None:  # refuse a malformed payload now, not at the takeover
                 with self.pool.borrow(numel) as scratch:
                     momentum.decode(numel, out=scratch)
@@ -169,8 +189,11 @@ class Replication:
                 raise Malformed("full replication does not match its certificate")
             if f.label > self.store.label(f.p):
                 self.store.install(f.p, anchor, f.label, bytes(head))
+                if self.sync.journal is not None:
+                    self.sync.journal.fragment(bytes(head), anchor)
             fp32 = get_codec("fp32")
-            momentum = Encoded(fp32, {"codec": "fp32", "shape": [numel]}, bytes(rest[4 * numel :]))
+            momentum = Encoded(fp32, {"codec": "fp32", "shape": [numel]},
+                               await asyncio.to_thread(join_bytes, rest[4 * numel :]))
             momentum.decode(numel)  # the fp32 codec refuses non-finite values
         self.kept[f.p] = (f.label, momentum)
         self.stats["replications_received"] += 1

@@ -85,6 +85,7 @@ class Shard:
         self._stepping: set[int] = set()
         self._probing: set[str] = set()
         self.enabled = False  # becomes True once the membership view has been read at least once
+        self._live_seen: set[str] = set()  # the live learners at the last `reassign`
         server.add_envelope_route(ROUTE_DELTA, self.verifier, self._on_delta, kinds={DELTA})
         self.replication = Replication(identity, spec, store, membership, client, server, sync, self.codec,
                                        self.pool, self.verifier, self.stats)
@@ -106,7 +107,7 @@ class Shard:
                 self._probing.add(roles[0])
                 self._spawn(self._probe(roles[0]))
             raise Unavailable(f"not the owner of fragment {f.p}; the owner is {roles[0][:8] if roles else 'unknown'}")
-        pending = PendingDelta(peer_id_of(env.sender), f.base, f.steps, f.tokens, f.codec, bytes(env.payload))
+        pending = PendingDelta(peer_id_of(env.sender), f.base, f.steps, f.tokens, f.codec, memoryview(env.payload).toreadonly())
         try:
             owner.offer(pending, self.store.label(f.p))
         except ProtocolError as e:
@@ -126,6 +127,7 @@ class Shard:
         if not self.enabled:
             return
         live = self.members.live_learners()
+        arrived, self._live_seen = live - self._live_seen, live
         me = self.members.peer_id
         holding: set[int] = set()
         taken: list[int] = []
@@ -141,8 +143,15 @@ class Shard:
             if p in self.owners:
                 self.owners[p].tracker.set_expected(live)
         self.store.keep_frames = holding
-        if taken:
-            self._spawn(self._reach_newest(taken))
+        # A member that just arrived may hold a newer version of a fragment we already own (it restarted and
+        # replayed its journal, docs/architecture.md §5.6): compare again before our next step, as at a takeover.
+        if arrived - {me}:
+            self.replication.seen_others = True
+        kept = sorted(p for p in self.owners if p not in taken) if arrived - {me} else []
+        for p in kept:
+            self.owners[p].held_back = True
+        if taken or kept:
+            self._spawn(self._reach_newest(taken + kept))
         self._poke()
 
     @property
@@ -273,9 +282,12 @@ class Shard:
             if self.owners.get(p) is not owner or self.store.label(p) != pub.base:
                 return None
             # the commit: no await from here on
-            self.store.advance(p, pub.base, pub.new, pub.update, env.to_bytes(), env.prefix(),
+            frame = env.frame()
+            self.store.advance(p, pub.base, pub.new, pub.update, frame, env.prefix(),
                                contributors=pub.learners, move=Encoded(self.codec, pub.meta, pub.payload))
             owner.commit(pub)
+            if self.sync.journal is not None:  # our own version, like every version we accept
+                self.sync.journal.update(frame)
             return env, replicated
         finally:
             self.pool.give(anchor)

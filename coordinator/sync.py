@@ -14,6 +14,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from aiohttp import web
@@ -60,6 +61,16 @@ DIGEST_EVERY = 4
 STATEFUL_POST_FLOOR_S = 5.0
 
 
+class VersionJournal(Protocol):
+    """Where a peer records each version its store moves to, so that a restart can replay it on top of its
+    checkpoint (the learner's `node/journal.py`; docs/architecture.md §5.6). Called on the loop right after the
+    store changed, before anything else can write that anchor."""
+
+    def update(self, frame: bytes) -> None: ...
+
+    def fragment(self, cert: bytes, anchor: torch.Tensor) -> None: ...
+
+
 class FragmentSync:
     """Anchors in, deltas out. One per peer; `server` is None for a client-mode learner."""
 
@@ -87,6 +98,7 @@ class FragmentSync:
         self._encoding: collections.defaultdict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         # Set by the shard: a delta for a fragment this peer owns is handed over without the network.
         self.on_local_delta: Callable[[Envelope], None] | None = None
+        self.journal: VersionJournal | None = None  # set by the learner when it keeps checkpoints
         if server is not None:
             server.add_envelope_route(ROUTE_UPDATE, self.verifier, self._on_update, kinds={UPDATE}, fresh=False)
             server.add_route("GET", ROUTE_FRAGMENT, self._serve_fragment)
@@ -110,7 +122,7 @@ class FragmentSync:
         if f.base != held:
             raise StaleVersion(f"fragment {f.p} is at {held}; this update applies to {f.base}")
         numel = self.store.numel(f.p)
-        frame = env.to_bytes()
+        frame = env.frame()
         move = Encoded(self.codec, f.codec, memoryview(frame)[env.frame_size() - len(env.payload):])
         check = verify if verify is not None else f.new.version % DIGEST_EVERY == 0
         with self.pool.borrow(numel) as update:  # (the codecs never decode to non-finite values)
@@ -129,6 +141,8 @@ class FragmentSync:
                     return False
             self.store.advance(f.p, f.base, f.new, update, frame, env.prefix(), contributors=f.learners,
                                move=move, result=result, generation=generation)
+        if self.journal is not None:
+            self.journal.update(frame)
         self.versions_accepted += 1
         return True
 
@@ -280,12 +294,15 @@ class FragmentSync:
             with contextlib.suppress(StaleVersion):  # (another version or write landed meanwhile)
                 self.store.install(p, reader.anchor, f.new, reader.cert, repair_of=repair_of, adopt=True)
                 self.stats["full_downloads"] += 1
+                if self.journal is not None:
+                    self.journal.fragment(reader.cert, reader.anchor)
         return True
 
-    async def held_above(self, ps: list[int]) -> dict[int, tuple[Version, list[str]]]:
+    async def held_above(self, ps: list[int], *, suspect: bool = True) -> dict[int, tuple[Version, list[str]]]:
         """For each fragment of `ps` that a live member holds at a version above ours: the highest such version
         and the members that hold it (GET /v1/versions of every live member at once, 2 s each; a member that
-        does not answer is passed over)."""
+        does not answer is passed over, and suspected unless `suspect` is False: the periodic watch, which
+        must not make a busy member look dead)."""
         members = self.members.servers()
 
         async def ask(m) -> tuple[str, list[Version] | None]:
@@ -294,7 +311,8 @@ class FragmentSync:
                                                  max_response=versions_body_max(self.P))
                 return m.peer_id, parse_versions(body, self.P)
             except (TransportError, ProtocolError) as e:
-                log.info("versions of %s unknown: %s", m.peer_id[:8], e)
+                if suspect:
+                    self._holder_failed(m.peer_id, "asking for versions", e)  # (a dead one: a suspect at once)
                 return m.peer_id, None
 
         best: dict[int, tuple[Version, list[str]]] = {}

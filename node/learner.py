@@ -36,6 +36,7 @@ from diloco.protocol.identity import Identity
 
 from .checkpoint import capture, load_latest, restore, save_checkpoint
 from .swarm import JoinError, Swarm, SwarmConfig, SwarmFailed
+from .theta import Theta
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,6 @@ class Learner:
         self.c_tokens = [0] * P
         self.sent_steps = 0  # Σ over fragments of the inner steps handed to owners inside deltas
         self.overwritten_steps = 0  # Σ over fragments of local steps discarded by a whole-fragment download
-        self.base: list[Version] = []  # per fragment, the version θ[p] is based on
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         self.sync_timeout_s = sync_timeout_s  # synchronous runs only: the longest wait for a merge
@@ -114,6 +114,7 @@ class Learner:
         self._saving: threading.Thread | None = None
         self._last_step_at: float | None = None
         self.swarm: Swarm | None = None
+        self.theta: Theta | None = None  # moves θ with new versions, copies due fragments out (node/theta.py)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
@@ -142,10 +143,18 @@ class Learner:
             if self.spec.genesis_digest:
                 self._check_genesis(anchors)
         self._anchor_memory = []  # the store's from now on
+        # the versions accepted after that checkpoint, replayed: this learner holds again, and offers to the
+        # owners, the newest version it accepted before it stopped (docs/architecture.md §5.6)
+        from .journal import open_journal
+
+        self._journal = open_journal(self.checkpoint_dir, self.spec, anchors, labels, certs, resumed=not fresh,
+                                     into_theta=lambda p, anchor: self.plan.unflatten_into(p, anchor, self.params))
         self.swarm = Swarm(self.identity, self.spec, self.plan, anchors, self.config, labels, certs,
-                           adopt_anchors=True, unset=unset)
+                           adopt_anchors=True, unset=unset, journal=self._journal)
         self.swarm.store.merged_steps = int(self._restored.get("merged_steps", 0))
         self.swarm.store.merged_tokens = int(self._restored.get("merged_tokens", 0))
+        self.theta = Theta(self.swarm.store, self.plan, self.params, self.swarm.pool, self._submit,
+                           self._overwritten, background=not self.spec.synchronous)
         if unset:
             self.swarm.after_sync = self._fill_unset
         self.swarm.start()
@@ -191,6 +200,8 @@ class Learner:
             self.save_checkpoint(wait=True)
         if self.swarm is not None:
             self.swarm.stop()
+        if self.theta is not None:
+            self.theta.close()
 
     def __enter__(self) -> Learner:
         return self.start()
@@ -214,7 +225,6 @@ class Learner:
         for p in range(self.spec.fragments):
             self.c_steps[p] += 1
             self.c_tokens[p] += tokens
-        self._apply_new_versions()
         H = self.spec.inner_steps
         for p, offset in enumerate(self.offsets):
             if self.t % H != offset:
@@ -222,16 +232,14 @@ class Learner:
             if self.spec.synchronous:
                 self._wait_merged([p])
             if self.c_steps[p] > 0:
-                snapshot = self.plan.flatten(p, self.params, out=self.swarm.pool.take(self.plan.fragments[p].numel))
-                self.swarm.store.begin_send(p)
-                self.swarm.submit_delta(p, snapshot, self.base[p], self.c_steps[p], self.c_tokens[p])
-                self.sent_steps += self.c_steps[p]
-                self.c_steps[p] = self.c_tokens[p] = 0
+                self.theta.due(p)
+        self.theta.step()
         pr = self.swarm.progress
         if self._last_step_at is not None:
             dt = now - self._last_step_at
             pr.step_time_s = dt if pr.step_time_s == 0 else 0.9 * pr.step_time_s + 0.1 * dt
             pr.tokens_per_s = tokens / pr.step_time_s if pr.step_time_s > 0 else 0.0
+            self.theta.step_time_s = pr.step_time_s
         self._last_step_at = now
         pr.step, pr.tokens = self.t, self.tokens
         if loss is not None:
@@ -248,20 +256,31 @@ class Learner:
         self._apply_new_versions()
 
     def _apply_new_versions(self) -> None:
-        """Move θ[p] with every new version (the rebase rule of `coordinator.fragments`): θ[p] += U, plus our
-        own delta once merged. A fragment downloaded whole overwrites θ[p]; only then are local steps lost."""
-        changes = self.swarm.store.take_changes(lambda p, anchor: self.plan.unflatten_into(p, anchor, self.params))
-        self.base = changes.labels
-        for p in sorted(changes.replace):
-            self.overwritten_steps += self.c_steps[p]
-            self.c_steps[p] = self.c_tokens[p] = 0
-        for p, moves in changes.moves.items():
-            numel = self.plan.fragments[p].numel
-            with self.swarm.pool.borrow(numel) as scratch:
-                for move in moves:  # decoded into a reused buffer, added tensor by tensor: no fragment copies
-                    if not isinstance(move, torch.Tensor):
-                        move = move.decode(numel, out=scratch)
-                    self.plan.add_into(p, move, self.params)
+        """Move θ with every version the store has now, at once (the rebase rule, `coordinator.rebase`):
+        θ[p] += U, plus our own delta once merged; a fragment downloaded whole overwrites θ[p]. `step` does
+        the same a slice per step (node/theta.py)."""
+        self.theta.flush()
+
+    @property
+    def base(self) -> list[Version]:
+        """Per fragment, the version θ[p] is based on."""
+        return self.theta.base if self.theta is not None else []
+
+    def _submit(self, p: int, snapshot: torch.Tensor, base: Version) -> None:
+        """A due fragment's snapshot is complete: its delta goes out with the steps made since the last one."""
+        if self.c_steps[p] == 0:  # θ[p] was overwritten since it was due: nothing of ours to send
+            self.swarm.pool.give(snapshot)
+            return
+        if self.spec.synchronous:  # what `_wait_merged` waits for
+            self.swarm.store.begin_send(p)
+        self.swarm.submit_delta(p, snapshot, base, self.c_steps[p], self.c_tokens[p])
+        self.sent_steps += self.c_steps[p]
+        self.c_steps[p] = self.c_tokens[p] = 0
+
+    def _overwritten(self, p: int) -> None:
+        """θ[p] was replaced by a whole download: the local steps it held are gone."""
+        self.overwritten_steps += self.c_steps[p]
+        self.c_steps[p] = self.c_tokens[p] = 0
 
     # -- checkpoints ----------------------------------------------------------------------------------------
 
@@ -275,18 +294,28 @@ class Learner:
             self._saving.join()
         if self.spec.synchronous:  # the barrier: every learner checkpoints the same global versions
             self._wait_merged(range(self.spec.fragments))
+        # a new journal segment first: the older ones then hold only versions this capture includes
+        segment = self._journal.rotate() if self._journal is not None else None
         store = self.swarm.store
-        with store.lock:
-            anchors = {p: h.anchor.clone() for p, h in enumerate(store.held)}
-            labels = {p: (h.label.term, h.label.version) for p, h in enumerate(store.held)}
-            certs = {p: h.cert for p, h in enumerate(store.held)}
-            counters = {"merged_steps": store.merged_steps, "merged_tokens": store.merged_tokens,
-                        "tokens": self.tokens}
+
+        def read(held: list) -> tuple[dict, dict, dict, dict]:  # with the store's lock held
+            return ({p: h.anchor.clone() for p, h in enumerate(held)},
+                    {p: (h.label.term, h.label.version) for p, h in enumerate(held)},
+                    {p: h.cert for p, h in enumerate(held)},
+                    {"merged_steps": store.merged_steps, "merged_tokens": store.merged_tokens, "tokens": self.tokens})
+
+        # θ gets every change taken together with the anchors: θ and the anchors it is based on agree
+        anchors, labels, certs, counters = self.theta.flush(also=read)
         ckpt = capture(self.model, self.optimizer, step=self.t, anchors=anchors, labels=labels, certs=certs,
                        counters=counters,
                        meta={"run_id": self.spec.run_id.hex(), "peer_id": self.identity.peer_id,
                              "wall_time": time.time()})
-        self._saving = threading.Thread(target=save_checkpoint, args=(self.checkpoint_dir, ckpt), daemon=True)
+        def write() -> None:
+            save_checkpoint(self.checkpoint_dir, ckpt)
+            if segment is not None:  # on disk now: the segments this checkpoint covers can go
+                self._journal.drop_before(segment)
+
+        self._saving = threading.Thread(target=write, daemon=True)
         self._saving.start()
         if wait:
             self._saving.join()

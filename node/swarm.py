@@ -37,8 +37,11 @@ from diloco.protocol.errors import ProtocolError
 from diloco.protocol.identity import Identity
 from diloco.protocol.transport import PeerClient, PeerServer, TransportError
 
+from .journal import Journal
+
 log = logging.getLogger(__name__)
 ROUTE_REACH = "/v1/reach"
+DHT_WATCH_EVERY = 6  # every how many watches read the DHT's frag records (the others ask the members)
 
 
 LARGE_BUFFER_BYTES = 1 << 20
@@ -128,10 +131,13 @@ class Progress:
 class Swarm:
     def __init__(self, identity: Identity, spec: RunSpec, plan: FragmentPlan, anchors: list[torch.Tensor],
                  config: SwarmConfig, labels: list[Version] | None = None, certs: list[bytes] | None = None,
-                 *, adopt_anchors: bool = False, unset: list[int] | None = None) -> None:
+                 *, adopt_anchors: bool = False, unset: list[int] | None = None,
+                 journal: Journal | None = None) -> None:
         """`adopt_anchors`: the anchors are fresh tensors the swarm may keep (no copy of the model is made).
-        `unset`: anchors with no values yet (see `FragmentStore`); `after_sync` must fill those still unset."""
+        `unset`: anchors with no values yet (see `FragmentStore`); `after_sync` must fill those still unset.
+        `journal`: where every version the store moves to is recorded (`node/journal.py`); closed at `stop`."""
         self.identity, self.spec, self.plan, self.config = identity, spec, plan, config
+        self.journal = journal
         self.store = FragmentStore(anchors, identity.peer_id, adopt=adopt_anchors, unset=unset or ())
         self.pool = BufferPool(max((f.numel for f in plan.fragments), default=0), keep=POOL_KEEP)
         for p, (label, cert) in enumerate(zip(labels or [], certs or [], strict=False)):
@@ -261,6 +267,8 @@ class Swarm:
             if self.server is not None:
                 await self.server.stop()
             await self.client.close()
+            if self.journal is not None:
+                self.journal.close()
 
     async def _open_server(self) -> None:
         cfg = self.config
@@ -273,6 +281,7 @@ class Swarm:
                                   refresh_s=cfg.member_refresh_s, poll_s=cfg.member_poll_s)
         self.sync = FragmentSync(self.identity, self.spec, self.store, self.members, self.client, self.server,
                                  self.codec, self.pool)
+        self.sync.journal = self.journal
         if self.server is not None:
             self.shard = Shard(self.identity, self.spec, self.plan, self.store, self.members, self.client,
                                self.server, self.sync, self.codec, self.pool)
@@ -305,6 +314,8 @@ class Swarm:
                             "or --client-mode to train without accepting connections")
         log.info("join: %d members seen at %.3fs", len(self.members.live()), time.perf_counter() - t0)
         if self.shard is not None:
+            if cfg.peers:  # joined an existing swarm: its other members may come back with newer versions
+                self.shard.replication.seen_others = True  # (so this peer, found alone, waits: §6.5)
             self.shard.enabled = True
             self.shard.reassign()
         publishing = asyncio.ensure_future(self.members.publish())  # (owners push updates to us once they see
@@ -353,9 +364,18 @@ class Swarm:
             return web.Response(text="unreachable\n")
 
     async def _watch(self) -> None:
-        """Catch up on versions we missed: from the DHT's frag records, or by polling owners (client mode)."""
+        """Catch up on versions we missed. Every `watch_s`: GET /v1/versions of the live members (one small
+        answer each); every `DHT_WATCH_EVERY`-th time, and always in client mode, the DHT's frag records
+        instead, which also name versions of owners this peer does not see (8 lookups of 3 RPCs each: most of
+        a learner's DHT traffic when they were read at every watch)."""
+        watches = 0
         while True:
             await asyncio.sleep(1.0 if self.client_mode else self.config.watch_s)
+            watches += 1
+            if not self.client_mode and watches % DHT_WATCH_EVERY:
+                for p, (_, holders) in (await self.sync.held_above(list(range(len(self.store))), suspect=False)).items():
+                    self.sync.catch_up(p, [*holders, *self.members.roles(p)])
+                continue
             try:
                 newest = await self.sync.newest_versions()
             except (TransportError, ProtocolError) as e:  # the DHT is unreachable for now: try again later

@@ -20,18 +20,21 @@ def tiny_run(**fields) -> Genesis:
 
 
 def fast_config(peers: list[str] | None = None, **kw) -> SwarmConfig:
-    return SwarmConfig(peers=peers or [], member_ttl_s=4.0, member_refresh_s=1.0, member_poll_s=0.5, watch_s=1.0,
-                       join_timeout_s=60, **kw)
+    fields = {"member_ttl_s": 4.0, "member_refresh_s": 1.0, "member_poll_s": 0.5, "watch_s": 1.0,
+              "join_timeout_s": 60, **kw}
+    return SwarmConfig(peers=peers or [], **fields)
 
 
 class LocalLearner:
     """A learner with its model, optimizer and data in this process (one swarm thread each)."""
 
-    def __init__(self, genesis: Genesis, index: int, peers: list[str] | None = None, **cfg) -> None:
+    def __init__(self, genesis: Genesis, index: int, peers: list[str] | None = None, *,
+                 learner_kw: dict | None = None, **cfg) -> None:
+        """`cfg`: SwarmConfig fields over `fast_config`'s; `learner_kw`: more `Learner` arguments."""
         self.task = task_of(genesis.spec)
         self.model = self.task.build_model()
         self.opt = self.task.optimizer(self.model)
-        self.learner = Learner(self.model, self.opt, genesis, config=fast_config(peers, **cfg))
+        self.learner = Learner(self.model, self.opt, genesis, config=fast_config(peers, **cfg), **(learner_kw or {}))
         self.batches = self.task.batches(learner=index)
 
     def start(self) -> LocalLearner:

@@ -15,6 +15,7 @@ from diloco.coordinator.fragments import FragmentStore
 from diloco.coordinator.version import Version
 from diloco.node.learner import Learner
 from diloco.node.swarm import SwarmFailed
+from diloco.node.theta import Theta
 from diloco.node.train import task_of
 
 from .swarm_utils import LocalLearner, tiny_run, wait_until
@@ -28,7 +29,9 @@ def offline_learner(fragments: int = 2) -> tuple[Learner, FragmentStore]:
     learner = Learner(model, task.optimizer(model), genesis)
     anchors = [learner.plan.flatten(p, learner.params) for p in range(fragments)]
     store = FragmentStore(anchors, "me")
-    learner.swarm = SimpleNamespace(store=store, pool=BufferPool(max(a.numel() for a in anchors)))
+    pool = BufferPool(max(a.numel() for a in anchors))
+    learner.swarm = SimpleNamespace(store=store, pool=pool)
+    learner.theta = Theta(store, learner.plan, learner.params, pool, learner._submit, learner._overwritten)
     return learner, store
 
 
@@ -40,8 +43,8 @@ def test_an_update_landing_while_an_installed_fragment_is_copied_into_theta_is_a
     update = torch.full((numel,), 0.5)
     take = store.take_changes
 
-    def an_update_lands_right_after(*args):
-        changes = take(*args)
+    def an_update_lands_right_after(*args, **kwargs):
+        changes = take(*args, **kwargs)
         # the event loop applies the next version here, between taking the changes and anything after it
         store.advance(p, Version(1, 1), Version(1, 2), update.clone(), b"f", b"c")
         return changes
@@ -87,10 +90,11 @@ def test_a_background_task_that_crashes_is_reported_by_the_next_step_with_its_ca
     ll = alone()
     swarm = ll.learner.swarm
 
-    async def broken():
+    async def broken(*args, **kwargs):
         raise ValueError("a bug in the watch")
 
-    swarm.sync.newest_versions = broken  # the watch loop raises at its next round (watch_s = 1 s)
+    # the watch loop raises at its next round (watch_s = 1 s), whichever way it reads the versions
+    swarm.sync.newest_versions = swarm.sync.held_above = broken
     wait_until(lambda: swarm.error is not None, 10, "the crash of the watch loop to be recorded")
     with pytest.raises(SwarmFailed, match="_watch.*ValueError: a bug in the watch") as raised:
         ll.train(1)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from diloco.coordinator.fragments import anchor_digest
+from diloco.node import swarm as swarm_mod
 
 from .swarm_utils import LocalLearner, fast_config, tiny_run, wait_until
 
@@ -203,7 +204,9 @@ def test_a_new_owner_pulls_the_momentum_a_member_holds_in_fp32_after_a_full_repl
 
 
 @pytest.mark.timeout(120)
-def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_learner(fleet):
+def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_learner(fleet, monkeypatch):
+    # the watch reads only the DHT here (which never hears of that version): the takeover must find it itself
+    monkeypatch.setattr(swarm_mod, "DHT_WATCH_EVERY", 1)
     genesis = tiny_run(fragments=3, quorum=2)
     learners = fleet(genesis, 3)
     wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 3 for ll in learners), 20, "3 live members")
