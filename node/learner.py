@@ -35,6 +35,7 @@ from diloco.protocol.codecs import load_kernels
 from diloco.protocol.identity import Identity
 
 from .checkpoint import capture, load_latest, restore, save_checkpoint
+from .journal import Journal, open_journal
 from .swarm import JoinError, Swarm, SwarmConfig, SwarmFailed
 from .theta import Theta
 
@@ -114,6 +115,7 @@ class Learner:
         self._saving: threading.Thread | None = None
         self._last_step_at: float | None = None
         self.swarm: Swarm | None = None
+        self._journal: Journal | None = None  # the versions accepted since the checkpoint (node/journal.py)
         self.theta: Theta | None = None  # moves θ with new versions, copies due fragments out (node/theta.py)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -145,8 +147,6 @@ class Learner:
         self._anchor_memory = []  # the store's from now on
         # the versions accepted after that checkpoint, replayed: this learner holds again, and offers to the
         # owners, the newest version it accepted before it stopped (docs/architecture.md §5.6)
-        from .journal import open_journal
-
         self._journal = open_journal(self.checkpoint_dir, self.spec, anchors, labels, certs, resumed=not fresh,
                                      into_theta=lambda p, anchor: self.plan.unflatten_into(p, anchor, self.params))
         self.swarm = Swarm(self.identity, self.spec, self.plan, anchors, self.config, labels, certs,
