@@ -20,7 +20,8 @@ On-disk format, version 1::
                                    "optimizer": {"state": {"<i>": {key: JSON scalar}},
                                                  "param_groups": [{hyperparameter: JSON value, "params": [i..]}]},
                                    "labels": {"<p>": [term, version]}, "certs": {"<p>": hex of the cert bytes},
-                                   "counters": {..}, "meta": {..},
+                                   "counters": {..}, "meta": {..} (a learner's: run_id, peer_id,
+                                   wall_time, peers: the member URLs it saw),
                                    "manifest_sha256": SHA-256 (hex) of the canonical JSON of all other keys}
       .tmp-<random>/              a write in progress or a crashed one: never read, removed by the next save
 

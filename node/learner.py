@@ -56,6 +56,13 @@ def genesis_digest(plan: FragmentPlan, model: torch.nn.Module) -> bytes:
     return _digest_of([plan.flatten(p, params) for p in range(len(plan.fragments))])
 
 
+def _urls(saved: object) -> list[str]:
+    """The member URLs a checkpoint remembered (`Swarm.known_urls`); anything else in that field is ignored."""
+    if not isinstance(saved, list):
+        return []
+    return [u for u in saved if isinstance(u, str) and u.startswith(("http://", "https://")) and len(u) <= 256]
+
+
 def _digest_of(fragments: list[torch.Tensor]) -> bytes:
     h = hashlib.sha256()
     for f in fragments:
@@ -134,6 +141,7 @@ class Learner:
             certs = [ckpt.certs.get(p, b"") for p in range(self.spec.fragments)]
             self._restored = dict(ckpt.counters)
             self.tokens = int(self._restored.get("tokens", 0))
+            self.config = dataclasses.replace(self.config, known_peers=_urls(ckpt.meta.get("peers")))
             log.info("resumed from checkpoint at step %d", self.t)
         unset: list[int] = []
         if fresh and self.config.peers:  # joining: the fragments are downloaded straight into the anchors;
@@ -309,7 +317,7 @@ class Learner:
         ckpt = capture(self.model, self.optimizer, step=self.t, anchors=anchors, labels=labels, certs=certs,
                        counters=counters,
                        meta={"run_id": self.spec.run_id.hex(), "peer_id": self.identity.peer_id,
-                             "wall_time": time.time()})
+                             "wall_time": time.time(), "peers": self.swarm.known_urls()})
         def write() -> None:
             save_checkpoint(self.checkpoint_dir, ckpt)
             if segment is not None:  # on disk now: the segments this checkpoint covers can go

@@ -42,6 +42,7 @@ from .journal import Journal
 log = logging.getLogger(__name__)
 ROUTE_REACH = "/v1/reach"
 DHT_WATCH_EVERY = 6  # every how many watches read the DHT's frag records (the others ask the members)
+KNOWN_URLS_KEPT = 32  # member URLs remembered (most recently seen first): saved with checkpoints, pinged to heal
 
 
 LARGE_BUFFER_BYTES = 1 << 20
@@ -114,6 +115,8 @@ class SwarmConfig:
     watch_s: float = 5.0  # how often to compare our versions with the DHT's
     join_timeout_s: float = 300.0
     bootstrap_wait_s: float = 0.0  # keep trying `peers` this long (a fleet whose peers start together)
+    known_peers: list[str] = field(default_factory=list)  # URLs of members seen before a restart (checkpoint):
+    # tried with `peers` at the join but not required to answer, and pinged while not seen (`_reconnect`)
 
 
 @dataclass
@@ -163,6 +166,7 @@ class Swarm:
         self.members: Membership | None = None
         self.sync: FragmentSync | None = None
         self.shard: Shard | None = None
+        self._seen_urls: dict[str, float] = {}  # URL of a member that accepts connections -> when last seen
 
     # -- training-thread API --------------------------------------------------------------------------------
 
@@ -279,6 +283,7 @@ class Swarm:
         self.dht = DHTNode(self.identity, self.client, server=self.server, region=cfg.region)
         self.members = Membership(self.dht, self.spec, self._member_record, ttl_s=cfg.member_ttl_s,
                                   refresh_s=cfg.member_refresh_s, poll_s=cfg.member_poll_s)
+        self.members.on_change.append(self._remember_members)
         self.sync = FragmentSync(self.identity, self.spec, self.store, self.members, self.client, self.server,
                                  self.codec, self.pool)
         self.sync.journal = self.journal
@@ -297,13 +302,19 @@ class Swarm:
     async def _join(self) -> None:
         cfg = self.config
         t0 = time.perf_counter()
-        while cfg.peers:
+        urls = list(dict.fromkeys([*cfg.peers, *(u for u in cfg.known_peers if u != self.url)]))
+        found = False
+        while urls:
             try:
-                await self.dht.bootstrap(cfg.peers, lookup=False)
+                await self.dht.bootstrap(urls, lookup=False)
+                found = True
                 break
             except BootstrapFailed as e:
                 if time.perf_counter() - t0 > cfg.bootstrap_wait_s:
-                    raise JoinError(f"{e}; check --peers") from None
+                    if cfg.peers:
+                        raise JoinError(f"{e}; check --peers") from None
+                    log.info("join: none of the %d members seen before the restart answered", len(urls))
+                    break
                 await asyncio.sleep(0.25)
         log.info("join: DHT bootstrapped in %.3fs", time.perf_counter() - t0)
         # (the DHT's self-lookup fills our routing table while we ask and read: none of them needs the other)
@@ -314,7 +325,7 @@ class Swarm:
                             "or --client-mode to train without accepting connections")
         log.info("join: %d members seen at %.3fs", len(self.members.live()), time.perf_counter() - t0)
         if self.shard is not None:
-            if cfg.peers:  # joined an existing swarm: its other members may come back with newer versions
+            if found:  # joined an existing swarm: its other members may come back with newer versions
                 self.shard.replication.seen_others = True  # (so this peer, found alone, waits: §6.5)
             self.shard.enabled = True
             self.shard.reassign()
@@ -376,6 +387,7 @@ class Swarm:
                 for p, (_, holders) in (await self.sync.held_above(list(range(len(self.store))), suspect=False)).items():
                     self.sync.catch_up(p, [*holders, *self.members.roles(p)])
                 continue
+            self._spawn(self._reconnect())
             try:
                 newest = await self.sync.newest_versions()
             except (TransportError, ProtocolError) as e:  # the DHT is unreachable for now: try again later
@@ -384,6 +396,36 @@ class Swarm:
             for p, found in enumerate(newest):
                 if found is not None and found[0] > self.store.label(p):
                     self.sync.catch_up(p, [found[1], *self.members.roles(p)])
+
+    def _remember_members(self) -> None:
+        now = time.time()
+        for m in self.members.servers():
+            self._seen_urls[m.url] = now
+        if len(self._seen_urls) > KNOWN_URLS_KEPT:
+            for url in sorted(self._seen_urls, key=self._seen_urls.get)[:-KNOWN_URLS_KEPT]:
+                del self._seen_urls[url]
+
+    def known_urls(self) -> list[str]:
+        """URLs of the members this peer has seen (the most recent first; those seen now too), for a restart
+        to bootstrap from (`SwarmConfig.known_peers`): a learner relaunched with only `--peers` that are down,
+        or that restarted into a swarm of their own, still finds the others. Any thread may call this."""
+        seen = dict(self._seen_urls)  # (a copy: the loop updates it)
+        return sorted(seen, key=seen.get, reverse=True)
+
+    async def _reconnect(self) -> None:
+        """Ping the URLs of members seen before (and of `peers` and `known_peers`) that are not in our view
+        now. A swarm split in two (peers restarted at the same time, each bootstrapping from the other half's
+        dead URLs) then becomes one DHT again: a ping that is answered puts each side in the other's routing
+        table, and the next member poll sees every member."""
+        self._remember_members()
+        live = {m.url for m in self.members.servers()} | {self.url}
+        urls = [u for u in dict.fromkeys([*self.known_urls(), *self.config.peers, *self.config.known_peers])
+                if u not in live][:KNOWN_URLS_KEPT]
+        results = await asyncio.gather(*(self.dht.ping(u) for u in urls), return_exceptions=True)
+        answered = sum(not isinstance(r, BaseException) for r in results)
+        if answered:
+            log.info("reconnect: %d of %d members not in our view answered", answered, len(urls))
+            await self.members.poll()
 
     async def _trim(self) -> None:
         """Return freed heap pages to the OS now and then (see `trim_heap`)."""
