@@ -23,9 +23,11 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.plan import FragmentPlan
@@ -61,6 +63,25 @@ def _urls(saved: object) -> list[str]:
     if not isinstance(saved, list):
         return []
     return [u for u in saved if isinstance(u, str) and u.startswith(("http://", "https://")) and len(u) <= 256]
+
+
+class Attached:
+    """What `Learner.attach` returns: `remove()` (or leaving a `with` block) takes the optimizer hook off,
+    after which the learner may be attached again."""
+
+    def __init__(self, handle: RemovableHandle, learner: Learner) -> None:
+        self._handle, self._learner = handle, learner
+
+    def remove(self) -> None:
+        self._handle.remove()
+        if self._learner._attached is self._handle:
+            self._learner._attached = None
+
+    def __enter__(self) -> Attached:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
 
 def _digest_of(fragments: list[torch.Tensor]) -> bytes:
@@ -122,6 +143,7 @@ class Learner:
         self._saving: threading.Thread | None = None
         self._last_step_at: float | None = None
         self.swarm: Swarm | None = None
+        self._attached: RemovableHandle | None = None  # `attach`'s optimizer hook
         self._journal: Journal | None = None  # the versions accepted since the checkpoint (node/journal.py)
         self.theta: Theta | None = None  # moves θ with new versions, copies due fragments out (node/theta.py)
 
@@ -218,6 +240,27 @@ class Learner:
         self.close()
 
     # -- the training-loop hook -----------------------------------------------------------------------------
+
+    def attach(self, optimizer: torch.optim.Optimizer | None = None, *,
+               tokens: int | Callable[[], int], loss: Callable[[], float | None] | None = None) -> Attached:
+        """Call `step` after every `optimizer.step()` (a step post-hook, as torchft does): the training loop
+        stays as it was. `tokens`: the tokens of one inner step (an int), or a function returning those of the
+        step just made; `loss`: a function returning its loss, for status and logs. The default optimizer is
+        the learner's own. Returns an `Attached` (its `remove()` takes the hook off). An error of the swarm
+        (`SwarmFailed`) is raised from `optimizer.step()`."""
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        if self._attached is not None:
+            raise RuntimeError("this learner is already attached to an optimizer; remove that hook first")
+        count = tokens if callable(tokens) else (lambda: tokens)
+        if not callable(tokens) and (not isinstance(tokens, int) or tokens < 0):
+            raise ValueError(f"tokens must be a non-negative int or a function, got {tokens!r}")
+
+        def after_step(_optimizer: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
+            self.step(tokens=int(count()), loss=loss() if loss is not None else None)
+
+        handle = optimizer.register_step_post_hook(after_step)
+        self._attached = handle
+        return Attached(handle, self)
 
     def step(self, tokens: int, loss: float | None = None) -> None:
         """Call once after every inner `optimizer.step()`. Never blocks on the network (a synchronous run
