@@ -160,8 +160,11 @@ def _load_run(path: Path):
 
 @main.command("init-run")
 @click.option("--name", required=True, help="Run name (shown to peers).")
-@click.option("--task", default="markov", show_default=True, help="Built-in task: markov, kjv or file:PATH.")
-@click.option("--model", "preset", default="tiny", show_default=True, help="Model preset: tiny or small.")
+@click.option("--task", default="markov", show_default=True, help="Built-in task: markov, kjv or file:PATH; or "
+              "hf:CONFIG.json, a Hugging Face causal LM built from that local config (stored in the spec; vocab_size "
+              "256, trained on the KJV bytes; needs `pip install 'diloco-node[hf]'`).")
+@click.option("--model", "preset", default="tiny", show_default=True, help="Model preset of the built-in GPT: "
+              "tiny or small.")
 @click.option("--fragments", default=4, show_default=True, help="P: fragments the model is cut into.")
 @click.option("--inner-steps", default=100, show_default=True, help="H: inner steps between two deltas of a fragment.")
 @click.option("--quorum", default=2, show_default=True, help="K: minimum learners merged per outer step.")
@@ -191,13 +194,21 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
         allowlist = tuple(bytes.fromhex(a) for a in allow)
     except ValueError:
         raise UserError("--allow takes hex public keys (as printed by `diloco-node keygen`)") from None
+    model: dict = {"model": preset}
+    if task.startswith("hf:"):
+        from .tasks.hf import HFModel
+
+        try:
+            model, task = {"hf_config": HFModel.from_file(task.removeprefix("hf:")).config}, "hf"
+        except ValueError as e:
+            raise UserError(str(e)) from None
     try:
-        genesis = new_run(load_identity(key), name, task=task, model={"model": preset}, fragments=fragments,
+        genesis = new_run(load_identity(key), name, task=task, model=model, fragments=fragments,
                           inner_steps=inner_steps, quorum=quorum, codec=codec, outer_lr=outer_lr,
                           outer_momentum=outer_momentum, max_staleness=max_staleness, seed=seed,
                           **({"synchronous": True, "grace_gamma": 0.0, "grace_cap_s": 0.0} if synchronous else {}),
                           membership="allowlist" if allowlist else "open", allowlist=allowlist)
-    except (ProtocolError, ValueError) as e:
+    except (ProtocolError, ValueError, ImportError) as e:
         raise UserError(str(getattr(e, "reason", e))) from None
     genesis.save(out)
     click.echo(f"run_id: {genesis.spec.run_id.hex()}")

@@ -32,7 +32,7 @@ def task_of(spec: RunSpec, data: str | None = None) -> Task:
     """The run's task, optionally on the learner's own data (`--data file:PATH`), same model and seed."""
     task = make_task(spec.task, seed=spec.seed, **spec.model)
     if data is not None and data != spec.task:
-        own = make_task(data, seed=spec.seed, **spec.model)
+        own = make_task(data, seed=spec.seed)  # (only its data is used)
         if own.data.vocab_size != task.data.vocab_size:
             raise ValueError(f"--data {data} has vocabulary {own.data.vocab_size}, the run's model {task.data.vocab_size}")
         task.data = own.data
@@ -136,7 +136,7 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
     try:
         while not opts.steps or learner.t < opts.steps:
             step_start = time.monotonic()
-            loss = _inner_step(model, optimizer, batches, opts)
+            loss = _inner_step(task, model, optimizer, batches, opts)
             learner.step(tokens=task.tokens_per_batch, loss=loss)
             losses.append(loss)
             if startup is not None:
@@ -197,7 +197,7 @@ def _train_alone(spec: RunSpec, task: Task, model: torch.nn.Module, optimizer: t
     try:
         while not opts.steps or steps < opts.steps:
             step_start = time.monotonic()
-            losses.append(_inner_step(model, optimizer, batches, opts))
+            losses.append(_inner_step(task, model, optimizer, batches, opts))
             steps += 1
             if startup is not None:
                 startup.mark("first_step")
@@ -217,9 +217,10 @@ def _train_alone(spec: RunSpec, task: Task, model: torch.nn.Module, optimizer: t
     return summary
 
 
-def _inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Any, opts: TrainOptions) -> float:
+def _inner_step(task: Task, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Any,
+                opts: TrainOptions) -> float:
     x, y = next(batches)
-    _, loss = model(x.to(opts.device), y.to(opts.device))
+    loss = task.loss(model, x.to(opts.device), y.to(opts.device))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()

@@ -1,10 +1,10 @@
 """The built-in training tasks: a model, a token source and the inner optimizer, bundled under a name.
 
-    task = make_task("markov")                      # or "kjv", or "file:notes.txt"
+    task = make_task("markov")                      # or "kjv", or "file:notes.txt", or "hf" (node/tasks/hf.py)
     model = task.build_model()
     opt = task.optimizer(model)
     for x, y in task.batches(learner=0):
-        _, loss = model(x, y); opt.zero_grad(); loss.backward(); opt.step()
+        loss = task.loss(model, x, y); opt.zero_grad(); loss.backward(); opt.step()
     print(evaluate(model, task), "vs best possible", task.data.entropy_rate_nats())
 
 Everything here is local computation: no module in this package may import the network layers.
@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from .data import Batch, ByteCorpus, CorpusError, MarkovSource, TokenSource, learner_generator
+from .hf import HFModel, causal_lm_loss
 from .model import GPT, GPTConfig
 
-__all__ = ["TASK_NAMES", "Batch", "ByteCorpus", "CorpusError", "EagerAdamW", "GPT", "GPTConfig", "MarkovSource",
+__all__ = ["TASK_NAMES", "Batch", "ByteCorpus", "CorpusError", "EagerAdamW", "GPT", "GPTConfig", "HFModel", "MarkovSource",
            "Task", "TokenSource", "evaluate", "learner_generator", "make_task"]
 
-TASK_NAMES = ("markov", "kjv", "file:<path>")
+TASK_NAMES = ("markov", "kjv", "file:<path>", "hf")
 PRESETS = {"tiny": GPTConfig.tiny, "small": GPTConfig.small}
 
 
@@ -59,7 +60,7 @@ class EagerAdamW(torch.optim.AdamW):
 @dataclass
 class Task:
     name: str
-    model: GPTConfig
+    model: GPTConfig | HFModel  # the built-in GPT, or a Hugging Face causal LM (task "hf")
     data: TokenSource
     batch_size: int = 16
     context: int = 64
@@ -81,9 +82,17 @@ class Task:
     def tokens_per_batch(self) -> int:
         return self.batch_size * self.context
 
-    def build_model(self) -> GPT:
+    def build_model(self) -> torch.nn.Module:
         """The same initial weights on every learner: the seed is the task's."""
+        if isinstance(self.model, HFModel):
+            return self.model.build(self.seed)
         return GPT(self.model, seed=self.seed)
+
+    def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean next-token loss of `model` (built by `build_model`) on a batch."""
+        if isinstance(self.model, HFModel):
+            return causal_lm_loss(model, x, y)
+        return model(x, y)[1]
 
     def optimizer(self, model: torch.nn.Module) -> torch.optim.AdamW:
         """AdamW (`EagerAdamW`: a learner's start does not import torch's compiler stack)."""
@@ -113,10 +122,12 @@ class Task:
 
 def make_task(name: str, **overrides) -> Task:
     """Build a named task. Overrides may name any `Task` field, any `GPTConfig` field (applied to the model),
-    or `model="tiny"|"small"|GPTConfig(...)`."""
+    or `model="tiny"|"small"|GPTConfig(...)`. Task "hf" trains a Hugging Face model on the KJV bytes: its
+    `hf_config` override is the model's config (a dict, see `HFModel`), and GPTConfig fields do not apply."""
+    hf_config = overrides.pop("hf_config", None)
     if name == "markov":
         data: TokenSource = MarkovSource(vocab=64, order=1, seed=0, concentration=0.1)
-    elif name == "kjv":
+    elif name in ("kjv", "hf"):
         data = ByteCorpus.kjv()
     elif name.startswith("file:"):
         data = ByteCorpus.from_file(name.removeprefix("file:"))
@@ -124,6 +135,18 @@ def make_task(name: str, **overrides) -> Task:
         raise ValueError(f"unknown task {name!r}: choose one of {', '.join(TASK_NAMES)}")
 
     task_fields = {f.name for f in dataclasses.fields(Task)} - {"name"}
+    if name == "hf":
+        if hf_config is None:
+            raise ValueError("task hf needs its model's config: init-run --task hf:CONFIG.json")
+        unknown = set(overrides) - task_fields - {"model"}
+        if unknown or "model" in overrides:
+            raise TypeError(f"task hf takes Task fields only ({sorted(task_fields - {'model'})}); got "
+                            f"{sorted(unknown | ({'model'} & set(overrides)))}")
+        task_kw = dict(overrides)
+        data = task_kw.pop("data", data)
+        return Task(name=name, model=HFModel(hf_config), data=data, **task_kw)
+    if hf_config is not None:
+        raise TypeError("hf_config is an override of task hf only")
     model_fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size"}
     unknown = set(overrides) - task_fields - model_fields
     if unknown:
@@ -149,7 +172,7 @@ def evaluate(model: torch.nn.Module, task: Task) -> float:
     model.eval()
     device = next(model.parameters()).device
     try:
-        losses = [model(x.to(device), y.to(device))[1].item()
+        losses = [task.loss(model, x.to(device), y.to(device)).item()
                   for x, y in task.data.eval_batches(task.batch_size, task.context, task.n_eval_batches)]
     finally:
         model.train(was_training)
