@@ -194,6 +194,11 @@ class FragmentPlan:
         slice that holds its first element; returns the end of what was copied (≥ `stop`)."""
         return self._each_range(p, out, params, start, stop, lambda t, part: part.copy_(t))
 
+    def set_range(self, p: int, flat: Tensor, params: Mapping[str, Tensor], start: int, stop: int) -> int:
+        """params[fragment p][start:stop] := flat[start:stop] (`flat` the whole flat fragment), in place: the
+        inverse of `copy_range`, with its rule for tensors that are not contiguous."""
+        return self._each_range(p, flat, params, start, stop, Tensor.copy_)
+
     def add_range(self, p: int, flat: Tensor, params: Mapping[str, Tensor], start: int, stop: int) -> int:
         """params[fragment p][start:stop] += flat[start:stop] (`flat` the whole flat fragment), in place; the
         same rule for tensors that are not contiguous as `copy_range`."""

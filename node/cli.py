@@ -6,6 +6,7 @@ Errors a user can cause print one line saying what happened and what to do, neve
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -216,8 +217,10 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
 
 
 @main.command()
-@click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="The signed run spec written by `diloco-node init-run`.")
+@click.option("--run", "--spec", "run_path", required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The signed run spec written by `diloco-node init-run`. Under torchrun write --spec (torchrun "
+              "takes --run for its own --run-path), or put `--` before `join`.")
 @click.option("--listen", default="0.0.0.0:7000", show_default=True, help="HOST:PORT to serve on.")
 @click.option("--announce", default=None, help="URL other peers should use (behind a 1:1 NAT, or when listening "
               "on 0.0.0.0).")
@@ -264,8 +267,11 @@ def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ..
                         eval_every=eval_every, json=as_json, checkpoint_dir=checkpoint_dir,
                         checkpoint_every=checkpoint_every if checkpoint_dir else 0, slowdown=slowdown,
                         pace_s=pace_s, standalone=standalone)
+    # under torchrun only rank 0 is the swarm member: the others never sign anything, and must not race it
+    # to create the key file
+    identity = load_identity(key) if os.environ.get("RANK", "0") == "0" else Identity.generate()
     try:
-        train(genesis, load_identity(key), cfg, opts)
+        train(genesis, identity, cfg, opts)
     except (JoinError, SyncTimeout) as e:
         raise UserError(str(e)) from None
 

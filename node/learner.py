@@ -144,6 +144,8 @@ class Learner:
         self._last_step_at: float | None = None
         self.swarm: Swarm | None = None
         self._attached: RemovableHandle | None = None  # `attach`'s optimizer hook
+        # told of every range of θ that `step` writes after `start` (p, start, stop): node/distributed.py
+        self.on_theta_write: Callable[[int, int, int], None] | None = None
         self._journal: Journal | None = None  # the versions accepted since the checkpoint (node/journal.py)
         self.theta: Theta | None = None  # moves θ with new versions, copies due fragments out (node/theta.py)
 
@@ -184,7 +186,7 @@ class Learner:
         self.swarm.store.merged_steps = int(self._restored.get("merged_steps", 0))
         self.swarm.store.merged_tokens = int(self._restored.get("merged_tokens", 0))
         self.theta = Theta(self.swarm.store, self.plan, self.params, self.swarm.pool, self._submit,
-                           self._overwritten, background=not self.spec.synchronous)
+                           self._overwritten, background=not self.spec.synchronous, on_write=self.on_theta_write)
         if unset:
             self.swarm.after_sync = self._fill_unset
         self.swarm.start()

@@ -78,9 +78,10 @@ class Theta:
 
     def __init__(self, store: FragmentStore, plan: FragmentPlan, params: Mapping[str, Tensor], pool: BufferPool,
                  submit: Callable[[int, Tensor, Version], None], replaced: Callable[[int], None], *,
-                 background: bool = True) -> None:
+                 background: bool = True, on_write: Callable[[int, int, int], None] | None = None) -> None:
         self.store, self.plan, self.params, self.pool = store, plan, params, pool
         self._submit, self._replaced = submit, replaced
+        self._on_write = on_write or (lambda p, start, stop: None)  # (p, start, stop): θ[p][start:stop] written
         P = len(plan.fragments)
         self.base: list[Version] = store.labels()  # per fragment, the version θ[p] is based on
         self.step_time_s = 0.0  # the caller's step time, for the budget
@@ -143,7 +144,10 @@ class Theta:
         """The store's changes for θ. `wait=False`: none this step if the store's lock is busy (the loop
         writes an anchor under it, tens of milliseconds at 100M parameters), unless that was already so at
         the last `MAX_SKIPS` steps."""
-        copy = lambda p, anchor: self.plan.unflatten_into(p, anchor, self.params)  # noqa: E731
+        def copy(p: int, anchor: Tensor) -> None:
+            self.plan.unflatten_into(p, anchor, self.params)
+            self._on_write(p, 0, self._numel[p])
+
         changes = self.store.take_changes(copy, also, wait=wait or self._skipped >= MAX_SKIPS)
         if changes is None:
             self._skipped += 1
@@ -210,7 +214,9 @@ class Theta:
                 if s is None:
                     return first
                 s.started = True
-            s.done = self.plan.add_range(p, s.buf, self.params, s.done, min(s.done + SLICE, n))
+            start = s.done
+            s.done = self.plan.add_range(p, s.buf, self.params, start, min(start + SLICE, n))
+            self._on_write(p, start, s.done)
             first = False
             if s.done >= n:
                 with self._cond:
@@ -232,6 +238,7 @@ class Theta:
             try:
                 self._sum_into(p, batch.moves, buf, fresh=True)
                 self.plan.add_into(p, buf, self.params)
+                self._on_write(p, 0, self._numel[p])
             finally:
                 self.pool.give(buf)
             self.base[p] = batch.label

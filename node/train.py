@@ -108,7 +108,12 @@ def _cpu_s() -> float:
 
 
 def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: TrainOptions) -> dict[str, Any]:
-    """Join the run and train until `opts.steps`; returns the summary it also emits."""
+    """Join the run and train until `opts.steps`; returns the summary it also emits. Under torchrun, the
+    ranks of one learner (node/train_ranks.py)."""
+    from .train_ranks import train_ranks, world_size
+
+    if world_size() > 1 and not opts.standalone:
+        return train_ranks(genesis, identity, config, opts)
     startup = Startup()
     torch.set_num_threads(1)
     spec = genesis.spec

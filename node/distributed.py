@@ -1,0 +1,158 @@
+"""A learner of several ranks (torchrun, DDP): rank 0 is the swarm member, every rank holds the same θ.
+
+Inside a learner, data parallelism is the user's (DistributedDataParallel all-reduces the gradients, so every
+rank's optimizer makes the same step). The swarm sees one learner with one identity: rank 0 runs the `Learner`
+(anchors, deltas, versions, checkpoints); the other ranks hold no anchors and open no port.
+
+Why rank 0 alone talks to the swarm: under DDP every rank holds the whole model, identical, so one copy of each
+pseudo-gradient is all there is to send; N ranks sending shards would N-fold the connections and owners'
+bookkeeping for the same bytes. What must cross ranks is what the swarm changes in θ: at every
+`step`, rank 0 records the ranges of θ its `Theta` wrote (versions applied a slice per step, fragments
+replaced whole) and broadcasts them, and every other rank writes the same values, so all ranks are bit-identical
+again before the next forward. A `start` (checkpoint, downloads) is followed by a broadcast of every parameter,
+the optimizer state and the step counters. Token counts are summed over ranks.
+
+A rank that dies makes the next collective fail on the others (gloo and NCCL see the closed connection), which
+raises out of `step`: the job ends, torchrun stops every rank, and the learner comes back as one learner from
+rank 0's checkpoint. Give `init_process_group` a timeout that suits you; collectives wait that long at most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from diloco.coordinator.plan import FragmentPlan
+
+from .learner import Learner
+
+
+class DistributedLearner:
+    """Every rank constructs one, with its own (DDP-unwrapped) model and optimizer, and calls `start`, `step`
+    and `close` at the same points of the loop. `learner_kwargs` go to rank 0's `Learner`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run: Any, *,
+                 group: dist.ProcessGroup | None = None, src: int = 0, **learner_kwargs: Any) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedLearner needs torch.distributed initialized (init_process_group)")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module  # the parameters' own names, as the run's plan has them
+        self.model, self.optimizer, self.group = model, optimizer, group
+        self.rank, self.src = dist.get_rank(group), src
+        self.world_size = dist.get_world_size(group)
+        self.device = next(model.parameters()).device
+        self.params = dict(model.named_parameters())
+        self.learner: Learner | None = None
+        if self.rank == src:
+            self.learner = Learner(model, optimizer, run, **learner_kwargs)
+            self.learner.on_theta_write = self._record
+            self.plan = self.learner.plan
+        else:
+            spec = run.spec if hasattr(run, "spec") else run
+            self.plan = FragmentPlan.from_module(model, spec.fragments)
+        self._writes: list[tuple[int, int, int]] = []
+        self._buffers: dict[int, torch.Tensor] = {}
+        self.t = 0
+        self.tokens = 0
+
+    @property
+    def is_member(self) -> bool:
+        """True on the rank that talks to the swarm."""
+        return self.learner is not None
+
+    def _record(self, p: int, start: int, stop: int) -> None:
+        self._writes.append((p, start, stop))
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def start(self) -> DistributedLearner:
+        """Rank 0 joins (checkpoint, downloads); then every rank takes rank 0's parameters, optimizer state and
+        counters."""
+        error: list[str | None] = [None]
+        if self.learner is not None:
+            try:
+                self.learner.start()
+            except BaseException as e:  # the other ranks must not wait for a broadcast that never comes
+                error[0] = f"{type(e).__name__}: {e}"
+                dist.broadcast_object_list(error, src=self.src, group=self.group)
+                raise
+        dist.broadcast_object_list(error, src=self.src, group=self.group)
+        if error[0] is not None:
+            raise RuntimeError(f"rank {self.src} could not join the swarm: {error[0]}")
+        self._writes.clear()
+        with torch.no_grad():
+            for t in self.params.values():
+                dist.broadcast(t.data, src=self.src, group=self.group)
+        self._broadcast_state()
+        return self
+
+    def _broadcast_state(self) -> None:
+        """The optimizer state and counters rank 0 resumed with (a checkpoint restores them on rank 0 only)."""
+        state: list[Any] = [None]
+        if self.learner is not None:
+            state[0] = {"optimizer": self.optimizer.state_dict(), "t": self.learner.t, "tokens": self.learner.tokens}
+        dist.broadcast_object_list(state, src=self.src, group=self.group,
+                                   device=self.device if self.device.type == "cuda" else None)
+        if self.learner is None:
+            self.optimizer.load_state_dict(state[0]["optimizer"])
+        self.t, self.tokens = state[0]["t"], state[0]["tokens"]
+
+    def close(self) -> None:
+        if self.learner is not None:
+            self.learner.close()
+
+    # -- the training-loop hook -----------------------------------------------------------------------------
+
+    def step(self, tokens: int, loss: float | None = None) -> list[tuple[int, int, int]]:
+        """After every `optimizer.step()`, on every rank: `tokens` are this rank's (summed over ranks), `loss`
+        its loss (averaged). Returns the ranges of θ the swarm wrote at this step, (p, start, stop)."""
+        counts = torch.tensor([float(tokens), float(loss) if loss is not None else 0.0], dtype=torch.float64,
+                              device=self.device)
+        dist.all_reduce(counts, group=self.group)
+        total, mean_loss = int(counts[0].item()), counts[1].item() / self.world_size
+        self.t += 1
+        self.tokens += total
+        if self.learner is not None:
+            self._writes.clear()
+            self.learner.step(tokens=total, loss=mean_loss if loss is not None else None)
+        return self._share_writes()
+
+    def _share_writes(self) -> list[tuple[int, int, int]]:
+        n = torch.tensor([len(self._writes)], dtype=torch.int64, device=self.device)
+        dist.broadcast(n, src=self.src, group=self.group)
+        if not int(n.item()):
+            return []
+        ranges = torch.tensor(self._writes if self.learner is not None else [[0, 0, 0]] * int(n.item()),
+                              dtype=torch.int64, device=self.device).reshape(-1, 3)
+        dist.broadcast(ranges, src=self.src, group=self.group)
+        writes = [tuple(int(v) for v in r) for r in ranges.tolist()]
+        for p, start, stop in writes:
+            flat = self._buffer(p)
+            if self.learner is not None:
+                self.plan.copy_range(p, self.params, flat, start, stop)
+            dist.broadcast(flat[start:stop], src=self.src, group=self.group)
+            if self.learner is None:
+                self.plan.set_range(p, flat, self.params, start, stop)
+        return writes
+
+    def _buffer(self, p: int) -> torch.Tensor:
+        """A flat fp32 buffer of fragment p's size on this rank's device (one per fragment size, reused)."""
+        n = self.plan.fragments[p].numel
+        buf = self._buffers.get(n)
+        if buf is None:
+            buf = self._buffers[n] = torch.empty(n, dtype=torch.float32, device=self.device)
+        return buf
+
+    def attach(self, optimizer: torch.optim.Optimizer | None = None, *,
+               tokens: int | Callable[[], int], loss: Callable[[], float | None] | None = None):
+        """`Learner.attach` for every rank: `step` runs after each `optimizer.step()`."""
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        count = tokens if callable(tokens) else (lambda: tokens)
+
+        def after_step(_optimizer: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
+            self.step(tokens=int(count()), loss=loss() if loss is not None else None)
+
+        return optimizer.register_step_post_hook(after_step)
