@@ -31,7 +31,7 @@ from .fragments import DigestMismatch, Encoded, FragmentStore, anchor_digest
 from .membership import Membership
 from .runspec import RunSpec
 from .sync import STATEFUL_POST_FLOOR_S, FragmentSync
-from .version import GENESIS, Version
+from .version import Version
 from .wire import (
     REPLICATE,
     ROUTE_MOMENTUM,
@@ -66,9 +66,7 @@ class Replication:
         self.sync, self.codec, self.pool, self.stats = sync, codec, pool, stats
         self.kept: dict[int, tuple[Version, Encoded | None]] = {}  # p -> replicated (version, momentum)
         self.terms_seen = [0] * len(store)  # p -> the highest term an owner replicated to us
-        self._resumed = any(label != GENESIS for label in store.labels())  # (`_alone`)
-        self.seen_others = False  # another member was ever in our view (set by the shard too)
-        self._alone_since: float | None = None
+        self._alone_since: float | None = None  # when the owner last found no other live member (`_alone`)
         # (p, version, momentum) of a full replication: a hand-over that may arrive after we took p over
         self.on_handover: Callable[[int, Version, Encoded], None] = lambda p, label, momentum: None
         server.add_envelope_route(ROUTE_REPLICATE, verifier, self._on_replicate, kinds={REPLICATE})
@@ -90,7 +88,7 @@ class Replication:
         replicas = [r for r in self.members.roles(p)[1:] if r != self.members.peer_id]
         if not replicas:
             return self._alone()
-        self.seen_others, self._alone_since = True, None
+        self._alone_since = None
         # (encoded, joined and sealed in worker threads: the loop keeps answering meanwhile)
         mmeta, mbytes = await asyncio.to_thread(self.codec.encode, momentum) if momentum is not None else (None, b"")
         payload = await asyncio.to_thread(join_bytes, update.prefix(), update.payload, mbytes)
@@ -126,17 +124,17 @@ class Replication:
     def _alone(self) -> set[str] | None:
         """No replica holds the version: publish it (an empty set) only if no other peer that could hold it is
         alive, else wait (None) until one is a replica. A version held by its owner alone is forked by the next
-        owner if this one dies before anybody else got it. Alone, wait one member TTL first if this peer has
-        seen others or resumed a run's versions: a peer that was alive until just now may be restarting, with
-        newer versions in its journal (docs/architecture.md §6.5)."""
+        owner if this one dies before anybody else got it. Alone, wait one member TTL first: a peer that was
+        alive until just now may be restarting with newer versions in its journal, and one that joined a moment
+        ago may not be in our view yet (docs/architecture.md §6.5)."""
         now = time.monotonic()
         if self.members.servers():
-            self.seen_others, self._alone_since = True, None
+            self._alone_since = None
             self.stats["publications_held_for_a_holder"] += 1
             return None
         if self._alone_since is None:
             self._alone_since = now
-        if (self.seen_others or self._resumed) and now - self._alone_since < self.members.ttl_s:
+        if now - self._alone_since < self.members.ttl_s:
             self.stats["publications_held_while_alone"] += 1
             return None
         self.stats["published_without_live_replica"] += 1

@@ -145,8 +145,6 @@ class Shard:
         self.store.keep_frames = holding
         # A member that just arrived may hold a newer version of a fragment we already own (it restarted and
         # replayed its journal, docs/architecture.md §5.6): compare again before our next step, as at a takeover.
-        if arrived - {me}:
-            self.replication.seen_others = True
         kept = sorted(p for p in self.owners if p not in taken) if arrived - {me} else []
         for p in kept:
             self.owners[p].held_back = True

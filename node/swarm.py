@@ -303,11 +303,9 @@ class Swarm:
         cfg = self.config
         t0 = time.perf_counter()
         urls = list(dict.fromkeys([*cfg.peers, *(u for u in cfg.known_peers if u != self.url)]))
-        found = False
         while urls:
             try:
                 await self.dht.bootstrap(urls, lookup=False)
-                found = True
                 break
             except BootstrapFailed as e:
                 if time.perf_counter() - t0 > cfg.bootstrap_wait_s:
@@ -325,8 +323,6 @@ class Swarm:
                             "or --client-mode to train without accepting connections")
         log.info("join: %d members seen at %.3fs", len(self.members.live()), time.perf_counter() - t0)
         if self.shard is not None:
-            if found:  # joined an existing swarm: its other members may come back with newer versions
-                self.shard.replication.seen_others = True  # (so this peer, found alone, waits: §6.5)
             self.shard.enabled = True
             self.shard.reassign()
         publishing = asyncio.ensure_future(self.members.publish())  # (owners push updates to us once they see

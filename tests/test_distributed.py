@@ -28,23 +28,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(spec: Path, peer: str, out: Path, steps: int) -> subprocess.Popen:
+def _torchrun(*args: str, stderr=subprocess.STDOUT) -> subprocess.Popen:
+    """Two ranks on this machine; `args`: a script and its arguments, or `-m MODULE ...`."""
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(_free_port()), str(WORKER), str(spec), peer, str(out), str(steps)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--master-port", str(_free_port()), *args], stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+
+def _worker(spec: Path, peer: str, out: Path, steps: int) -> subprocess.Popen:
+    return _torchrun(str(WORKER), str(spec), peer, str(out), str(steps))
+
+
+def _swarm_of_one(tmp_path: Path, quorum: int) -> tuple[Path, LocalLearner]:
+    """A run (saved as tmp_path/run.spec) opened by one single-process learner of this process."""
+    genesis = tiny_run(quorum=quorum, inner_steps=10)
+    spec = tmp_path / "run.spec"
+    genesis.save(spec)
+    return spec, LocalLearner(genesis, 0).start()
 
 
 @pytest.mark.timeout(300)
 def test_a_two_rank_ddp_learner_and_a_single_process_learner_train_one_swarm(tmp_path):
-    genesis = tiny_run(quorum=2, inner_steps=10)
-    spec = tmp_path / "run.spec"
-    genesis.save(spec)
-    solo = LocalLearner(genesis, 0).start()
+    spec, solo = _swarm_of_one(tmp_path, quorum=2)
     try:
         before = evaluate(solo.model, solo.task)
         steps = 150
-        proc = _torchrun(spec, solo.url, tmp_path, steps)
+        proc = _worker(spec, solo.url, tmp_path, steps)
         while proc.poll() is None:
             solo.train(5)
         output = proc.stdout.read()
@@ -65,12 +74,9 @@ def test_a_two_rank_ddp_learner_and_a_single_process_learner_train_one_swarm(tmp
 
 @pytest.mark.timeout(300)
 def test_a_rank_killed_takes_its_learner_down_and_the_swarm_goes_on(tmp_path):
-    genesis = tiny_run(quorum=1, inner_steps=10)
-    spec = tmp_path / "run.spec"
-    genesis.save(spec)
-    solo = LocalLearner(genesis, 0).start()
+    spec, solo = _swarm_of_one(tmp_path, quorum=1)
     try:
-        proc = _torchrun(spec, solo.url, tmp_path, 100_000)
+        proc = _worker(spec, solo.url, tmp_path, 100_000)
         deadline = time.monotonic() + 120
         while not (tmp_path / "pid-1").exists() and proc.poll() is None and time.monotonic() < deadline:
             solo.train(5)
@@ -96,18 +102,12 @@ def test_a_rank_killed_takes_its_learner_down_and_the_swarm_goes_on(tmp_path):
 @pytest.mark.timeout(300)
 def test_join_under_torchrun_is_one_learner_of_two_ranks(tmp_path):
     """`torchrun --nproc-per-node 2 -m diloco.node join ...`: rank 0 alone speaks to the swarm and prints."""
-    genesis = tiny_run(quorum=2, inner_steps=10)
-    spec = tmp_path / "run.spec"
-    genesis.save(spec)
-    solo = LocalLearner(genesis, 0).start()
+    spec, solo = _swarm_of_one(tmp_path, quorum=2)
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-             "--master-port", str(_free_port()), "-m", "diloco.node", "join", "--spec", str(spec), "--peers", solo.url,
-             "--listen", "127.0.0.1:0", "--key", str(tmp_path / "key.pem"), "--steps", "80", "--json",
-             "--fast-membership", "--progress-every", "20", "--checkpoint-dir", str(tmp_path / "ckpt"),
-             "--checkpoint-every", "40"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = _torchrun("-m", "diloco.node", "join", "--spec", str(spec), "--peers", solo.url, "--listen",
+                         "127.0.0.1:0", "--key", str(tmp_path / "key.pem"), "--steps", "80", "--json",
+                         "--fast-membership", "--progress-every", "20", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                         "--checkpoint-every", "40", stderr=subprocess.PIPE)
         while proc.poll() is None:
             solo.train(5)
         out, err = proc.communicate()

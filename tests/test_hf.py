@@ -85,15 +85,19 @@ def test_a_hugging_face_trainer_with_the_callback_is_a_learner(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     genesis = create_run(Identity.generate(), "hf-trainer", task.build_model(), fragments=2, inner_steps=10,
                          quorum=1)
-    learner = Learner(model, opt, genesis, config=fast_config(), checkpoint_dir=tmp_path / "ckpt")
+    # (a TTL of 1 s: alone, an owner publishes after one member TTL, docs/architecture.md §6.5)
+    learner = Learner(model, opt, genesis, config=fast_config(member_ttl_s=1.0, member_refresh_s=0.3),
+                      checkpoint_dir=tmp_path / "ckpt")
     before = evaluate(model, task)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=30, per_device_train_batch_size=4,
-                             learning_rate=3e-3, report_to=[], use_cpu=True, save_strategy="no", logging_steps=5,
+    steps = 300  # (about 3 s here: several outer rounds once its one-TTL wait alone is over)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
+                             learning_rate=3e-3, report_to=[], use_cpu=True, save_strategy="no", logging_steps=50,
+                             disable_tqdm=True,
                              include_num_input_tokens_seen=True, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=Bytes(), optimizers=(opt, None),
                       callbacks=[DilocoCallback(learner)])
     trainer.train()
-    assert learner.t == 30 and learner.tokens == 30 * 4 * (task.context + 1)
+    assert learner.t == steps and learner.tokens == steps * 4 * (task.context + 1)
     assert all(v.version >= 1 for v in learner.labels), "no outer step from the Trainer's steps"
     assert not learner.swarm.healthy, "the learner was not closed at the end of training"
     assert (tmp_path / "ckpt").is_dir() and any((tmp_path / "ckpt").glob("step-*"))
