@@ -172,17 +172,18 @@ class FragmentPlan:
         return out
 
     def flatten(self, p: int, params: Mapping[str, Tensor], out: Tensor | None = None) -> Tensor:
-        """Fragment p of `params` as one 1-D fp32 tensor, tensors concatenated in plan order: a new one, or
-        written into `out` (a flat fp32 buffer of the fragment's size)."""
+        """Fragment p of `params` as one 1-D fp32 CPU tensor (where the anchors live, whatever the model's
+        device), tensors concatenated in plan order: a new one, or written into `out` (a flat fp32 buffer of the
+        fragment's size)."""
         if out is not None:
             self._each_slice(p, out, params, lambda t, part: part.copy_(t))
             return out
         with torch.no_grad():
-            return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in self._tensors(p, params)])
+            return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in self._tensors(p, params)])
 
     def add_into(self, p: int, flat: Tensor, params: Mapping[str, Tensor]) -> None:
         """params[fragment p] += flat, tensor by tensor, in place: no flat copy of the fragment is made."""
-        self._each_slice(p, flat, params, Tensor.add_)
+        self._each_slice(p, flat, params, _add)
 
     def unflatten_into(self, p: int, flat: Tensor, params: Mapping[str, Tensor]) -> None:
         """Copy a 1-D fragment back into the tensors of `params`, in place (dtype cast, no reallocation)."""
@@ -202,7 +203,7 @@ class FragmentPlan:
     def add_range(self, p: int, flat: Tensor, params: Mapping[str, Tensor], start: int, stop: int) -> int:
         """params[fragment p][start:stop] += flat[start:stop] (`flat` the whole flat fragment), in place; the
         same rule for tensors that are not contiguous as `copy_range`."""
-        return self._each_range(p, flat, params, start, stop, Tensor.add_)
+        return self._each_range(p, flat, params, start, stop, _add)
 
     def _each_range(self, p: int, flat: Tensor, params: Mapping[str, Tensor], start: int, stop: int, op) -> int:
         fragment = self.fragments[p]
@@ -241,3 +242,8 @@ class FragmentPlan:
                 n = t.numel()
                 op(t, flat[offset : offset + n].view(t.shape))
                 offset += n
+
+
+def _add(t: Tensor, part: Tensor) -> None:
+    """t += part, `part` first moved to t's device (a CPU slice into a CUDA parameter: torch refuses to mix)."""
+    t.add_(part.to(t.device))
