@@ -143,7 +143,7 @@ def main() -> None:
                         format=f"[worker {os.getpid()}] %(relativeCreated)d %(name)s %(message)s")
     torch.set_num_threads(1)
     spec_path, records_path = sys.argv[1], sys.argv[2]
-    from diloco.node.swarm import return_large_buffers_to_os
+    from diloco.node.heap import return_large_buffers_to_os
 
     return_large_buffers_to_os()  # what a learner sets; the standalone phase gets it too
     model = StandIn()

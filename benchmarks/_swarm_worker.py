@@ -85,7 +85,7 @@ def main() -> None:
     if role == "tiny":
         tiny_standalone(int(spec_path))
         return
-    from diloco.node.swarm import return_large_buffers_to_os
+    from diloco.node.heap import return_large_buffers_to_os
 
     return_large_buffers_to_os()  # the allocator setting a learner makes: the baseline gets it too
     model, opt = model_and_optimizer()

@@ -1,6 +1,6 @@
 """Reusable fp32 work buffers of fragment size.
 
-A fresh fragment-sized tensor is served by its own mmap (`node.swarm.return_large_buffers_to_os`) and
+A fresh fragment-sized tensor is served by its own mmap (`node.heap.return_large_buffers_to_os`) and
 page-faulted in on first touch: 12.5 MB cost about 4 ms of kernel time, against 0.5 ms to write warm memory.
 One round touches dozens of them per learner (decodes, the merge, the outer step, snapshots), so the swarm
 borrows them from a small pool instead. The pool keeps at most `keep` idle buffers (the memory bound);

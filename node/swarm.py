@@ -37,6 +37,7 @@ from diloco.protocol.errors import ProtocolError
 from diloco.protocol.identity import Identity
 from diloco.protocol.transport import PeerClient, PeerServer, TransportError
 
+from .heap import return_large_buffers_to_os, trim_heap
 from .journal import Journal
 
 log = logging.getLogger(__name__)
@@ -45,48 +46,9 @@ DHT_WATCH_EVERY = 6  # every how many watches read the DHT's frag records (the o
 KNOWN_URLS_KEPT = 32  # member URLs remembered (most recently seen first): saved with checkpoints, pinged to heal
 
 
-LARGE_BUFFER_BYTES = 1 << 20
 TRIM_EVERY_S = 20.0
 POOL_KEEP = 4  # idle fragment-sized work buffers kept for reuse (see coordinator.buffers)
 WITHDRAW_S = 2.0  # a stopping peer marks its member record `left` within this long, or leaves it to expire
-
-
-def return_large_buffers_to_os() -> None:
-    """glibc: serve allocations of 1 MiB and more with their own mmap, returned to the OS when freed.
-
-    The swarm allocates fragment- and payload-sized buffers on several threads; with glibc's adaptive mmap
-    threshold they land in heap arenas that are never given back, and a learner's RSS swings and creeps
-    (the README's memory figures say by how much). A fixed 1 MiB threshold costs page faults once per outer
-    step. Small allocations are unaffected; no-op off glibc.
-    """
-    libc = _glibc()
-    if libc is not None:
-        with contextlib.suppress(AttributeError):
-            libc.mallopt(-3, LARGE_BUFFER_BYTES)  # M_MMAP_THRESHOLD
-
-
-def trim_heap() -> None:
-    """glibc: give the free pages inside the heap arenas back to the OS (`malloc_trim(0)`). Payload-sized
-    buffers (a few MiB, below the mmap threshold) are allocated and freed on several threads; without this
-    the arenas' free pages stay resident, and a learner's RSS creeps up over a long run. No-op off glibc."""
-    libc = _glibc()
-    if libc is not None:
-        with contextlib.suppress(AttributeError):
-            libc.malloc_trim(0)
-
-
-def _glibc():
-    """The C library if it is glibc (whose allocator these two tune), else None."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None or "libc.so" not in name:
-        return None
-    try:
-        return ctypes.CDLL(name)
-    except OSError:
-        return None
 
 
 class JoinError(Exception):

@@ -302,9 +302,12 @@ class EnvelopeVerifier:
             n = h["payload_len"]
             if content_length is not None and content_length != _PREFIX.size + hlen + SIGNATURE_BYTES + n:
                 raise Malformed("Content-Length does not match the envelope's payload_len")
-            payload = bytearray(n)
+            # np.empty, not bytearray(n): that zero-fills megabytes (and faults their pages in) holding the GIL,
+            # the largest GIL hold of a learner's loop in the step-latency benchmark; numpy copies into it
+            # without the GIL
+            view = np.empty(n, np.uint8)
+            payload = memoryview(view)
             digest = hashlib.sha256()
-            view = np.frombuffer(payload, np.uint8) if n else None  # (numpy copies without holding the GIL)
             pos = 0
             async for part in reader.rest():
                 if pos + len(part) > n:
