@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from diloco.coordinator.plan import FragmentPlan
 
-from .learner import Learner
+from .learner import Learner, step_hook
 
 
 class DistributedLearner:
@@ -125,8 +125,10 @@ class DistributedLearner:
         dist.broadcast(n, src=self.src, group=self.group)
         if not int(n.item()):
             return []
-        ranges = torch.tensor(self._writes if self.learner is not None else [[0, 0, 0]] * int(n.item()),
-                              dtype=torch.int64, device=self.device).reshape(-1, 3)
+        if self.learner is not None:
+            ranges = torch.tensor(self._writes, dtype=torch.int64, device=self.device)
+        else:
+            ranges = torch.empty((int(n.item()), 3), dtype=torch.int64, device=self.device)
         dist.broadcast(ranges, src=self.src, group=self.group)
         writes = [tuple(int(v) for v in r) for r in ranges.tolist()]
         for p, start, stop in writes:
@@ -148,11 +150,6 @@ class DistributedLearner:
 
     def attach(self, optimizer: torch.optim.Optimizer | None = None, *,
                tokens: int | Callable[[], int], loss: Callable[[], float | None] | None = None):
-        """`Learner.attach` for every rank: `step` runs after each `optimizer.step()`."""
+        """`Learner.attach` for every rank: `step` runs after each `optimizer.step()`; returns the hook's handle."""
         optimizer = optimizer if optimizer is not None else self.optimizer
-        count = tokens if callable(tokens) else (lambda: tokens)
-
-        def after_step(_optimizer: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
-            self.step(tokens=int(count()), loss=loss() if loss is not None else None)
-
-        return optimizer.register_step_post_hook(after_step)
+        return optimizer.register_step_post_hook(step_hook(self.step, tokens, loss))

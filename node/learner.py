@@ -65,6 +65,20 @@ def _urls(saved: object) -> list[str]:
     return [u for u in saved if isinstance(u, str) and u.startswith(("http://", "https://")) and len(u) <= 256]
 
 
+def step_hook(step: Callable[..., None], tokens: int | Callable[[], int],
+              loss: Callable[[], float | None] | None) -> Callable[[torch.optim.Optimizer, tuple, dict], None]:
+    """An optimizer step post-hook calling `step(tokens=..., loss=...)` (what `attach` registers): `tokens` an
+    int, or a function returning the tokens of the step just made; `loss` a function, or None."""
+    if not callable(tokens) and (not isinstance(tokens, int) or tokens < 0):
+        raise ValueError(f"tokens must be a non-negative int or a function, got {tokens!r}")
+    count = tokens if callable(tokens) else (lambda: tokens)
+
+    def after_step(_optimizer: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
+        step(tokens=int(count()), loss=loss() if loss is not None else None)
+
+    return after_step
+
+
 class Attached:
     """What `Learner.attach` returns: `remove()` (or leaving a `with` block) takes the optimizer hook off,
     after which the learner may be attached again."""
@@ -253,14 +267,7 @@ class Learner:
         optimizer = optimizer if optimizer is not None else self.optimizer
         if self._attached is not None:
             raise RuntimeError("this learner is already attached to an optimizer; remove that hook first")
-        count = tokens if callable(tokens) else (lambda: tokens)
-        if not callable(tokens) and (not isinstance(tokens, int) or tokens < 0):
-            raise ValueError(f"tokens must be a non-negative int or a function, got {tokens!r}")
-
-        def after_step(_optimizer: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
-            self.step(tokens=int(count()), loss=loss() if loss is not None else None)
-
-        handle = optimizer.register_step_post_hook(after_step)
+        handle = optimizer.register_step_post_hook(step_hook(self.step, tokens, loss))
         self._attached = handle
         return Attached(handle, self)
 

@@ -138,10 +138,9 @@ def make_task(name: str, **overrides) -> Task:
     if name == "hf":
         if hf_config is None:
             raise ValueError("task hf needs its model's config: init-run --task hf:CONFIG.json")
-        unknown = set(overrides) - task_fields - {"model"}
-        if unknown or "model" in overrides:
-            raise TypeError(f"task hf takes Task fields only ({sorted(task_fields - {'model'})}); got "
-                            f"{sorted(unknown | ({'model'} & set(overrides)))}")
+        allowed = task_fields - {"model"}  # (the model is the config's)
+        if set(overrides) - allowed:
+            raise TypeError(f"task hf takes Task fields only ({sorted(allowed)}); got {sorted(set(overrides) - allowed)}")
         task_kw = dict(overrides)
         data = task_kw.pop("data", data)
         return Task(name=name, model=HFModel(hf_config), data=data, **task_kw)
