@@ -13,8 +13,10 @@ max reduction vectorises where a float max with NaN does not.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numba
@@ -41,6 +43,23 @@ NF4_LEVELS = np.array(
 )  # fmt: skip
 NF4_MIDPOINTS = ((NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2).astype(np.float32)
 NF4_ZERO_CODE = 7
+
+
+@contextlib.contextmanager
+def without_scipy_blas() -> Iterator[None]:
+    """numba's first kernel call loads its typing registries, and one of them imports scipy.linalg (~0.2 s of a
+    learner's restart, when scipy is installed) only to learn whether `np.dot` may call BLAS. No kernel here
+    calls it: while the kernels load, that import fails fast (numba then uses its own loop for `np.dot`)."""
+    name = "scipy.linalg.cython_blas"
+    if name in sys.modules:
+        yield
+        return
+    sys.modules[name] = None  # type: ignore[assignment]  # `import` raises ImportError for a None entry
+    try:
+        yield
+    finally:
+        if sys.modules.get(name, 0) is None:
+            del sys.modules[name]
 
 
 def _jit(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -158,10 +158,11 @@ def load_kernels() -> None:
     """Load every kernel now. numba starts its runtime on the first call of any kernel (~0.4 s, holding the
     GIL), so a long-lived peer calls this at start-up rather than stall its network loop at the first
     decode. Idempotent, and a few milliseconds once loaded."""
-    for name in ("fp32", "fp16", "bf16", "int8", "int4"):
-        codec = _REGISTRY[name]
-        codec.decode(*codec.encode(torch.zeros(2)))
-    l2_norm(torch.zeros(1))
+    with K.without_scipy_blas():
+        for name in ("fp32", "fp16", "bf16", "int8", "int4"):
+            codec = _REGISTRY[name]
+            codec.decode(*codec.encode(torch.zeros(2)))
+        l2_norm(torch.zeros(1))
 
 
 def check_meta(meta: Any, name: str, max_elements: int) -> tuple[list[int], int]:
