@@ -47,9 +47,10 @@ NF4_ZERO_CODE = 7
 
 @contextlib.contextmanager
 def without_scipy_blas() -> Iterator[None]:
-    """numba's first kernel call loads its typing registries, and one of them imports scipy.linalg (~0.2 s of a
-    learner's restart, when scipy is installed) only to learn whether `np.dot` may call BLAS. No kernel here
-    calls it: while the kernels load, that import fails fast (numba then uses its own loop for `np.dot`)."""
+    """numba's first kernel call loads its typing registries, and one of them imports scipy.linalg (0.13-0.15 s
+    of a learner's start, when scipy is installed) only to learn whether its `np.correlate` and `np.convolve`
+    may call BLAS. No kernel here calls them: while the kernels load, that import fails fast (numba then uses
+    its own loop for those two in this process); scipy stays importable afterwards."""
     name = "scipy.linalg.cython_blas"
     if name in sys.modules:
         yield

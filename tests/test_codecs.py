@@ -3,7 +3,10 @@ property tests that decoding arbitrary bytes or meta only ever raises a `Protoco
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import msgpack
@@ -485,3 +488,18 @@ def test_l2_norm_sums_in_float64_and_keeps_non_finite_values():
     assert math.isnan(l2_norm(torch.tensor([1.0, float("nan")])))
     assert l2_norm(torch.tensor([1.0, float("-inf")])) == float("inf")
     assert l2_norm(torch.tensor([3.0, 4.0], dtype=torch.float64)) == 5.0  # other dtypes: torch's fp64 norm
+
+
+@pytest.mark.skipif(importlib.util.find_spec("scipy") is None, reason="scipy is not installed")
+def test_loading_the_kernels_does_not_import_scipy_linalg_and_leaves_it_importable():
+    """A fresh interpreter: numba's runtime starts inside `load_kernels`, not earlier."""
+    script = (
+        "import sys, torch\n"
+        "from diloco.protocol.codecs import load_kernels\n"
+        "load_kernels()\n"
+        "assert 'scipy.linalg' not in sys.modules, 'scipy.linalg was imported'\n"
+        "assert 'scipy.linalg.cython_blas' not in sys.modules, 'the blocking entry was left behind'\n"
+        "import scipy.linalg.cython_blas\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
