@@ -43,6 +43,7 @@ import re
 import secrets
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,8 +167,10 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise CheckpointCorrupt(path, f"undecodable: {type(e).__name__}: {e}") from e
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, step: int, **rest: Any) -> Checkpoint:
-    """A snapshot of `model` and `optimizer` (cloned, so training may go on while it is written) plus `rest`."""
+def capture(model: torch.nn.Module | Mapping[str, Tensor], optimizer: torch.optim.Optimizer | None, *, step: int,
+            **rest: Any) -> Checkpoint:
+    """A snapshot of `model` (a module, or its state_dict) and `optimizer` (cloned, so training may go on while
+    it is written) plus `rest`."""
     sd = optimizer.state_dict() if optimizer is not None else {"state": {}, "param_groups": []}
     optim = {
         "state": {i: {k: _clone(v) for k, v in s.items()} for i, s in sd["state"].items()},
@@ -176,17 +179,19 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, 
     for key in ("anchors", "extra_tensors"):
         if key in rest:
             rest[key] = {k: _clone(v) for k, v in rest[key].items()}
-    params = {k: _clone(v) for k, v in model.state_dict().items()}
+    params = {k: _clone(v) for k, v in _state_of(model).items()}
     return Checkpoint(step=step, params=params, optimizer=optim, **rest)
 
 
-def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Copy the checkpoint into `model` in place (no reallocation) and load the optimizer state.
+def restore(ckpt: Checkpoint, model: torch.nn.Module | Mapping[str, Tensor],
+            optimizer: torch.optim.Optimizer | None) -> None:
+    """Copy the checkpoint into `model` (a module, or its state_dict) in place (no reallocation) and load the
+    optimizer state.
 
     The optimizer keeps its own param_groups structure; saved hyperparameters overwrite it (lists back to tuples
     where the optimizer had tuples, e.g. AdamW's betas). Nothing is changed unless every tensor fits.
     """
-    live = model.state_dict()
+    live = _state_of(model)
     if set(live) != set(ckpt.params):
         missing, unexpected = sorted(set(live) - set(ckpt.params)), sorted(set(ckpt.params) - set(live))
         raise KeyError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
@@ -210,6 +215,10 @@ def restore(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Opt
     # load_state_dict keeps same-device tensors by reference: clone so training never mutates `ckpt`
     state = {i: {k: _clone(v) for k, v in s.items()} for i, s in ckpt.optimizer["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _state_of(model: torch.nn.Module | Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    return model if isinstance(model, Mapping) else model.state_dict()
 
 
 def _encode(ckpt: Checkpoint) -> tuple[dict[str, Tensor], dict]:

@@ -1,4 +1,4 @@
-"""A learner of several ranks (torchrun, DDP): rank 0 is the swarm member, every rank holds the same θ.
+"""A learner of several ranks (torchrun; DDP or FSDP2): rank 0 is the swarm member, the ranks hold one θ.
 
 Inside a learner, data parallelism is the user's (DistributedDataParallel all-reduces the gradients, so every
 rank's optimizer makes the same step). The swarm sees one learner with one identity: rank 0 runs the `Learner`
@@ -11,6 +11,11 @@ bookkeeping for the same bytes. What must cross ranks is what the swarm changes 
 replaced whole) and broadcasts them, and every other rank writes the same values, so all ranks are bit-identical
 again before the next forward. A `start` (checkpoint, downloads) is followed by a broadcast of every parameter,
 the optimizer state and the step counters. Token counts are summed over ranks.
+
+Under FSDP2 (`fully_shard`) no rank holds θ whole: rank 0's `Learner` works on a full host copy, filled
+from the shards when it reads a fragment, and every rank replays on its own shard what the swarm wrote into
+that copy (node/fsdp.py); the pseudo-gradient never needs the whole model on one GPU. The inner optimizer's
+state is then each rank's own and is not in rank 0's checkpoint: a relaunched FSDP2 learner starts it afresh.
 
 A rank that dies makes the next collective fail on the others (gloo and NCCL see the closed connection), which
 raises out of `step`: the job ends, torchrun stops every rank, and the learner comes back as one learner from
@@ -27,12 +32,14 @@ import torch.distributed as dist
 
 from diloco.coordinator.plan import FragmentPlan
 
+from .fsdp import Shards, is_sharded
 from .learner import Learner, step_hook
 
 
 class DistributedLearner:
-    """Every rank constructs one, with its own (DDP-unwrapped) model and optimizer, and calls `start`, `step`
-    and `close` at the same points of the loop. `learner_kwargs` go to rank 0's `Learner`."""
+    """Every rank constructs one, with its own model (DDP-wrapped or not, or sharded by `fully_shard`) and
+    optimizer, and calls `start`, `step` and `close` at the same points of the loop. `learner_kwargs` go to
+    rank 0's `Learner`."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run: Any, *,
                  group: dist.ProcessGroup | None = None, src: int = 0, **learner_kwargs: Any) -> None:
@@ -46,15 +53,22 @@ class DistributedLearner:
         self.device = next(model.parameters()).device
         self.params = dict(model.named_parameters())
         self.learner: Learner | None = None
+        spec = run.spec if hasattr(run, "spec") else run
+        self.plan = FragmentPlan.from_module(model, spec.fragments)
+        self.shards = Shards(model, self.plan) if is_sharded(model) else None
+        self._full: dict[str, torch.Tensor] | None = None  # rank 0 of an FSDP2 learner: θ whole (node/fsdp.py)
         if self.rank == src:
-            self.learner = Learner(model, optimizer, run, **learner_kwargs)
+            if self.shards is not None:
+                self._full = self.shards.full_copy()
+                self.learner = Learner(model, None, run, params=self._full, **learner_kwargs)
+            else:
+                self.learner = Learner(model, optimizer, run, **learner_kwargs)
             self.learner.on_theta_write = self._record
-            self.plan = self.learner.plan
-        else:
-            spec = run.spec if hasattr(run, "spec") else run
-            self.plan = FragmentPlan.from_module(model, spec.fragments)
         self._writes: list[tuple[int, int, int]] = []
+        self._values: list[torch.Tensor] = []  # FSDP2: what each write put into θ (or added to it)
+        self._adds: list[bool] = []
         self._buffers: dict[int, torch.Tensor] = {}
+        self._gathers: dict[str, Any] = {}  # FSDP2: when rank 0's learner reads θ (`_reads_at`)
         self.t = 0
         self.tokens = 0
 
@@ -63,8 +77,11 @@ class DistributedLearner:
         """True on the rank that talks to the swarm."""
         return self.learner is not None
 
-    def _record(self, p: int, start: int, stop: int) -> None:
+    def _record(self, p: int, start: int, stop: int, values: torch.Tensor, add: bool) -> None:
         self._writes.append((p, start, stop))
+        if self.shards is not None:  # (the buffer is reused once this returns)
+            self._values.append(values[start:stop].clone())
+            self._adds.append(add)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
@@ -72,6 +89,9 @@ class DistributedLearner:
         """Rank 0 joins (checkpoint, downloads); then every rank takes rank 0's parameters, optimizer state and
         counters."""
         error: list[str | None] = [None]
+        if self.shards is not None:  # rank 0's learner starts from the model as the ranks hold it
+            for p in range(len(self.plan)):
+                self.shards.gather(p, self._full)
         if self.learner is not None:
             try:
                 self.learner.start()
@@ -82,27 +102,56 @@ class DistributedLearner:
         dist.broadcast_object_list(error, src=self.src, group=self.group)
         if error[0] is not None:
             raise RuntimeError(f"rank {self.src} could not join the swarm: {error[0]}")
-        self._writes.clear()
-        with torch.no_grad():
-            for t in self.params.values():
-                dist.broadcast(t.data, src=self.src, group=self.group)
+        self._clear()
+        if self.shards is not None:
+            self.shards.scatter(self._full, self.src, self.group)
+        else:
+            with torch.no_grad():
+                for t in self.params.values():
+                    dist.broadcast(t.data, src=self.src, group=self.group)
         self._broadcast_state()
         return self
+
+    def _clear(self) -> None:
+        self._writes.clear()
+        self._values.clear()
+        self._adds.clear()
 
     def _broadcast_state(self) -> None:
         """The optimizer state and counters rank 0 resumed with (a checkpoint restores them on rank 0 only)."""
         state: list[Any] = [None]
         if self.learner is not None:
-            state[0] = {"optimizer": self.optimizer.state_dict(), "t": self.learner.t, "tokens": self.learner.tokens}
+            state[0] = {"t": self.learner.t, "tokens": self.learner.tokens, "offsets": self.learner.offsets,
+                        "inner_steps": self.learner.spec.inner_steps,
+                        "checkpoints": self.learner.checkpoint_dir is not None,
+                        "checkpoint_every": self.learner.checkpoint_every}
+            if self.shards is None:
+                state[0]["optimizer"] = self.optimizer.state_dict()
         dist.broadcast_object_list(state, src=self.src, group=self.group,
                                    device=self.device if self.device.type == "cuda" else None)
-        if self.learner is None:
+        if self.learner is None and self.shards is None:
             self.optimizer.load_state_dict(state[0]["optimizer"])
         self.t, self.tokens = state[0]["t"], state[0]["tokens"]
+        self._gathers = state[0]
+
+    def _reads_at(self, t: int) -> list[int]:
+        """FSDP2: the fragments rank 0's learner reads at step t: those due to be sent, every one before a
+        checkpoint (the same rule as `Learner.step`, known to every rank)."""
+        g = self._gathers
+        if g["checkpoints"] and g["checkpoint_every"] and t % g["checkpoint_every"] == 0:
+            return list(range(len(self.plan)))
+        return [p for p, offset in enumerate(g["offsets"]) if t % g["inner_steps"] == offset]
 
     def close(self) -> None:
+        """Every rank: rank 0 leaves the swarm (after a last checkpoint, which an FSDP2 learner gathers first)."""
+        if self.shards is not None and self._gathers.get("checkpoints"):
+            for p in range(len(self.plan)):
+                self.shards.gather(p, self._full)
         if self.learner is not None:
+            self._clear()
             self.learner.close()
+        if self.shards is not None and self._gathers.get("checkpoints"):
+            self._replay_writes()  # what the last checkpoint's flush wrote: the shards end as it saved them
 
     # -- the training-loop hook -----------------------------------------------------------------------------
 
@@ -115,10 +164,13 @@ class DistributedLearner:
         total, mean_loss = int(counts[0].item()), counts[1].item() / self.world_size
         self.t += 1
         self.tokens += total
+        if self.shards is not None:
+            for p in self._reads_at(self.t):
+                self.shards.gather(p, self._full)
         if self.learner is not None:
-            self._writes.clear()
+            self._clear()
             self.learner.step(tokens=total, loss=mean_loss if loss is not None else None)
-        return self._share_writes()
+        return self._share_writes() if self.shards is None else self._replay_writes()
 
     def _share_writes(self) -> list[tuple[int, int, int]]:
         n = torch.tensor([len(self._writes)], dtype=torch.int64, device=self.device)
@@ -139,6 +191,30 @@ class DistributedLearner:
             if self.learner is None:
                 self.plan.set_range(p, flat, self.params, start, stop)
         return writes
+
+    def _replay_writes(self) -> list[tuple[int, int, int]]:
+        """FSDP2: every rank makes rank 0's writes into its copy of θ on its own shard."""
+        n = torch.tensor([len(self._writes)], dtype=torch.int64, device=self.device)
+        dist.broadcast(n, src=self.src, group=self.group)
+        if not int(n.item()):
+            return []
+        if self.learner is not None:
+            head = torch.tensor([(p, a, b, int(add)) for (p, a, b), add in zip(self._writes, self._adds, strict=True)],
+                                dtype=torch.int64, device=self.device)
+            values = torch.cat(self._values).to(self.device)
+        else:
+            head = torch.empty((int(n.item()), 4), dtype=torch.int64, device=self.device)
+        dist.broadcast(head, src=self.src, group=self.group)
+        ops = [tuple(int(v) for v in r) for r in head.tolist()]
+        if self.learner is None:
+            values = torch.empty(sum(b - a for _, a, b, _ in ops), dtype=torch.float32, device=self.device)
+        dist.broadcast(values, src=self.src, group=self.group)
+        at = 0
+        for p, start, stop, add in ops:
+            self.shards.apply(p, start, stop, values[at:at + stop - start], bool(add))
+            at += stop - start
+        self._clear()
+        return [(p, start, stop) for p, start, stop, _ in ops]
 
     def _buffer(self, p: int) -> torch.Tensor:
         """A flat fp32 buffer of fragment p's size on this rank's device (one per fragment size, reused)."""

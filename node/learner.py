@@ -23,7 +23,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -39,7 +39,7 @@ from diloco.protocol.identity import Identity
 from .checkpoint import capture, load_latest, restore, save_checkpoint
 from .journal import Journal, open_journal
 from .swarm import JoinError, Swarm, SwarmConfig, SwarmFailed
-from .theta import Theta
+from .theta import OnWrite, Theta
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Learner:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         run: Genesis | RunSpec,
         *,
         identity: Identity | None = None,
@@ -128,6 +128,7 @@ class Learner:
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 0,
         sync_timeout_s: float = 300.0,
+        params: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.spec = run.spec if isinstance(run, Genesis) else run
         load_kernels()  # before any peer is contacted: a first decode must not stall the network loop
@@ -138,7 +139,10 @@ class Learner:
         if self.spec.plan_digest and self.plan.digest() != self.spec.plan_digest:
             raise RunMismatch("this model's fragment plan differs from the run's: a different model or code "
                               "version than the run's creator used")
-        self.params = dict(model.named_parameters())
+        # θ: the model's own parameters, or `params`, full-size tensors standing in for them (the member rank
+        # of an FSDP2 learner, whose own parameters are shards: node/fsdp.py)
+        self.params = dict(params) if params is not None else dict(model.named_parameters())
+        self._stand_ins = params is not None
         H, P = self.spec.inner_steps, self.spec.fragments
         self.offsets = [(p * H) // P for p in range(P)]
         self.t = 0
@@ -158,8 +162,8 @@ class Learner:
         self._last_step_at: float | None = None
         self.swarm: Swarm | None = None
         self._attached: RemovableHandle | None = None  # `attach`'s optimizer hook
-        # told of every range of θ that `step` writes after `start` (p, start, stop): node/distributed.py
-        self.on_theta_write: Callable[[int, int, int], None] | None = None
+        # told of every write into θ that `step` makes after `start` (node/theta.py OnWrite): node/distributed.py
+        self.on_theta_write: OnWrite | None = None
         self._journal: Journal | None = None  # the versions accepted since the checkpoint (node/journal.py)
         self.theta: Theta | None = None  # moves θ with new versions, copies due fragments out (node/theta.py)
 
@@ -172,7 +176,7 @@ class Learner:
         ckpt = load_latest(self.checkpoint_dir) if self.checkpoint_dir else None
         fresh = ckpt is None or ckpt.meta.get("run_id") != self.spec.run_id.hex()
         if not fresh:
-            restore(ckpt, self.model, self.optimizer)
+            restore(ckpt, self._state(), self.optimizer)
             self.t = ckpt.step
             anchors = [a.copy_(ckpt.anchors[p].reshape(-1)) for p, a in enumerate(self._anchor_memory)]
             labels = [Version(*ckpt.labels[p]) for p in range(self.spec.fragments)]
@@ -366,7 +370,7 @@ class Learner:
 
         # θ gets every change taken together with the anchors: θ and the anchors it is based on agree
         anchors, labels, certs, counters = self.theta.flush(also=read)
-        ckpt = capture(self.model, self.optimizer, step=self.t, anchors=anchors, labels=labels, certs=certs,
+        ckpt = capture(self._state(), self.optimizer, step=self.t, anchors=anchors, labels=labels, certs=certs,
                        counters=counters,
                        meta={"run_id": self.spec.run_id.hex(), "peer_id": self.identity.peer_id,
                              "wall_time": time.time(), "peers": self.swarm.known_urls()})
@@ -379,6 +383,14 @@ class Learner:
         self._saving.start()
         if wait:
             self._saving.join()
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds of the model: its state_dict, with θ's tensors in place of its parameters."""
+        if not self._stand_ins:
+            return self.model.state_dict()
+        name_of = {id(t): n for n, t in self.model.named_parameters()}  # (a tied parameter has several keys)
+        return {k: self.params[name_of[id(v)]] if id(v) in name_of else v.detach()
+                for k, v in self.model.state_dict(keep_vars=True).items()}
 
     # -- views ----------------------------------------------------------------------------------------------
 

@@ -41,6 +41,10 @@ BUDGET_SHARE = 0.06  # of the step time, spent per step on θ's side of the reba
 MIN_BUDGET_S = 0.001
 MAX_SKIPS = 4  # steps in a row that may leave the store's changes for later while its lock is busy
 
+# Told of every write into θ, right after it: θ[p][start:stop] was set to values[start:stop] (add=False) or had
+# values[start:stop] added (add=True); `values` is the whole flat fragment and is reused once the call returns.
+OnWrite = Callable[[int, int, int, Tensor, bool], None]
+
 
 @dataclass
 class _Sum:
@@ -78,10 +82,10 @@ class Theta:
 
     def __init__(self, store: FragmentStore, plan: FragmentPlan, params: Mapping[str, Tensor], pool: BufferPool,
                  submit: Callable[[int, Tensor, Version], None], replaced: Callable[[int], None], *,
-                 background: bool = True, on_write: Callable[[int, int, int], None] | None = None) -> None:
+                 background: bool = True, on_write: OnWrite | None = None) -> None:
         self.store, self.plan, self.params, self.pool = store, plan, params, pool
         self._submit, self._replaced = submit, replaced
-        self._on_write = on_write or (lambda p, start, stop: None)  # (p, start, stop): θ[p][start:stop] written
+        self._on_write = on_write or (lambda p, start, stop, values, add: None)
         P = len(plan.fragments)
         self.base: list[Version] = store.labels()  # per fragment, the version θ[p] is based on
         self.step_time_s = 0.0  # the caller's step time, for the budget
@@ -146,7 +150,7 @@ class Theta:
         the last `MAX_SKIPS` steps."""
         def copy(p: int, anchor: Tensor) -> None:
             self.plan.unflatten_into(p, anchor, self.params)
-            self._on_write(p, 0, self._numel[p])
+            self._on_write(p, 0, self._numel[p], anchor, False)
 
         changes = self.store.take_changes(copy, also, wait=wait or self._skipped >= MAX_SKIPS)
         if changes is None:
@@ -216,7 +220,7 @@ class Theta:
                 s.started = True
             start = s.done
             s.done = self.plan.add_range(p, s.buf, self.params, start, min(start + SLICE, n))
-            self._on_write(p, start, s.done)
+            self._on_write(p, start, s.done, s.buf, True)
             first = False
             if s.done >= n:
                 with self._cond:
@@ -238,7 +242,7 @@ class Theta:
             try:
                 self._sum_into(p, batch.moves, buf, fresh=True)
                 self.plan.add_into(p, buf, self.params)
-                self._on_write(p, 0, self._numel[p])
+                self._on_write(p, 0, self._numel[p], buf, True)
             finally:
                 self.pool.give(buf)
             self.base[p] = batch.label

@@ -57,6 +57,7 @@ class TrainOptions:
     slowdown: float = 1.0  # straggler emulation: sleep (slowdown − 1) × step time after each step
     pace_s: float = 0.0  # every inner step lasts at least this long (an emulated fixed-speed chip)
     standalone: bool = False  # no swarm: the same loop alone (nominal steps/s)
+    fsdp: bool = False  # under torchrun: FSDP2 shards instead of DDP replicas (node/train_ranks.py)
 
 
 def emit(opts: TrainOptions, event: str, **fields: Any) -> None:

@@ -1,9 +1,9 @@
-"""`join` under torchrun: one learner of WORLD_SIZE data-parallel ranks (DDP inside, the swarm outside).
+"""`join` under torchrun: one learner of WORLD_SIZE data-parallel ranks (DDP or FSDP2 inside, the swarm outside).
 
-    torchrun --nproc-per-node N -m diloco.node join --run run.spec --peers HOST:PORT ...
+    torchrun --nproc-per-node N -m diloco.node join --spec run.spec --peers HOST:PORT [--fsdp] ...
 
-Every rank builds the run's model, wraps it in DistributedDataParallel and trains on its own share of the
-data; rank 0 is the swarm member (`DistributedLearner`, node/distributed.py) and alone prints events, listens
+Every rank builds the run's model, wraps it in DistributedDataParallel (or shards it with FSDP2's
+`fully_shard`, `--fsdp`) and trains on its own share of the data; rank 0 is the swarm member (`DistributedLearner`, node/distributed.py) and alone prints events, listens
 on `--listen` and writes checkpoints. gloo on the CPU, NCCL with `--device cuda` (each rank on its LOCAL_RANK).
 """
 
@@ -24,6 +24,7 @@ from diloco.coordinator.runspec import Genesis
 from diloco.protocol.identity import Identity
 
 from .distributed import DistributedLearner
+from .fsdp import shard_model
 from .swarm import SwarmConfig
 from .tasks import evaluate
 
@@ -53,7 +54,7 @@ def train_ranks(genesis: Genesis, identity: Identity, config: SwarmConfig, opts:
     spec = genesis.spec
     task = task_of(spec, opts.data)
     model = task.build_model().to(device)
-    ddp = DistributedDataParallel(model)
+    ddp = shard_model(model) if opts.fsdp else DistributedDataParallel(model)
     optimizer = task.optimizer(model)
     learner = DistributedLearner(ddp, optimizer, genesis, identity=identity, config=config,
                                  checkpoint_dir=opts.checkpoint_dir if rank == 0 else None,

@@ -36,3 +36,11 @@ def test_join_with_an_unreachable_bootstrap_peer_says_so(tmp_path):
     r = CliRunner().invoke(main, ["join", "--run", str(out), "--listen", "127.0.0.1:0", "--peers", "127.0.0.1:1",
                                   "--steps", "1"])
     assert r.exit_code == 1 and "bootstrap" in r.output and "--peers" in r.output
+
+
+def test_join_with_fsdp_outside_torchrun_says_how_to_start_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run.spec"
+    CliRunner().invoke(main, ["init-run", "--name", "t", "--key", str(tmp_path / "k.pem"), "--out", str(out)])
+    r = CliRunner().invoke(main, ["join", "--run", str(out), "--listen", "127.0.0.1:0", "--fsdp", "--steps", "1"])
+    assert r.exit_code == 1 and "torchrun --nproc-per-node" in r.output and "Traceback" not in r.output

@@ -4,6 +4,7 @@ learners' eval loss falls."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -14,7 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from diloco.node.checkpoint import load_latest
 from diloco.node.tasks import evaluate
 
 from .swarm_utils import LocalLearner, tiny_run, wait_until
@@ -35,8 +38,8 @@ def _torchrun(*args: str, stderr=subprocess.STDOUT) -> subprocess.Popen:
          "--master-port", str(_free_port()), *args], stdout=subprocess.PIPE, stderr=stderr, text=True)
 
 
-def _worker(spec: Path, peer: str, out: Path, steps: int) -> subprocess.Popen:
-    return _torchrun(str(WORKER), str(spec), peer, str(out), str(steps))
+def _worker(spec: Path, peer: str, out: Path, steps: int, *mode: str) -> subprocess.Popen:
+    return _torchrun(str(WORKER), str(spec), peer, str(out), str(steps), *mode)
 
 
 def _swarm_of_one(tmp_path: Path, quorum: int) -> tuple[Path, LocalLearner]:
@@ -57,7 +60,7 @@ def test_a_two_rank_ddp_learner_and_a_single_process_learner_train_one_swarm(tmp
         while proc.poll() is None:
             solo.train(5)
         output = proc.stdout.read()
-        assert proc.returncode == 0, output[-4000:]
+        assert proc.returncode == 0, output[-40000:]
         after = evaluate(solo.model, solo.task)
     finally:
         solo.learner.close()
@@ -69,6 +72,39 @@ def test_a_two_rank_ddp_learner_and_a_single_process_learner_train_one_swarm(tmp
     assert min(ranks[0]["versions"]) >= 1
     for r in ranks:  # (it joined once the other had trained a while: it starts from the swarm's versions)
         assert r["eval_after"] < r["eval_before"]
+    assert after < before - 0.5
+
+
+@pytest.mark.timeout(300)
+def test_a_two_rank_fsdp2_learner_trains_with_the_swarm_and_its_shards_hold_what_it_checkpointed(tmp_path):
+    """FSDP2 (node/fsdp.py): rank 0 works on a full copy of θ and the ranks replay its writes on their shards;
+    after `close` the θ the two shards make up is, bit for bit, the θ rank 0 checkpointed (every version
+    the swarm sent, every step the ranks made)."""
+    spec, solo = _swarm_of_one(tmp_path, quorum=2)
+    try:
+        before = evaluate(solo.model, solo.task)
+        steps = 150
+        proc = _worker(spec, solo.url, tmp_path, steps, "fsdp")
+        while proc.poll() is None:
+            solo.train(5)
+        output = proc.stdout.read()
+        assert proc.returncode == 0, output[-40000:]
+        after = evaluate(solo.model, solo.task)
+    finally:
+        solo.learner.close()
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert len({d for _, d in r["digests"]}) > 3, "the swarm never changed this rank's shard"
+        assert r["t"] == steps and r["tokens"] == steps * 2 * r["tokens_per_batch"]
+        assert r["eval_after"] < r["eval_before"]
+    assert ranks[0]["digests"][0][1] != ranks[1]["digests"][0][1], "the ranks hold the same tensors: not sharded"
+    assert min(ranks[0]["versions"]) >= 1
+    ckpt = load_latest(tmp_path / "ckpt")
+    assert ckpt is not None and ckpt.step == steps
+    saved = hashlib.sha256()
+    for name in sorted(ckpt.params):
+        saved.update(ckpt.params[name].contiguous().view(torch.uint8).numpy())
+    assert ranks[0]["closed_digest"] == ranks[1]["closed_digest"] == saved.hexdigest()
     assert after < before - 0.5
 
 
@@ -100,11 +136,13 @@ def test_a_rank_killed_takes_its_learner_down_and_the_swarm_goes_on(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_join_under_torchrun_is_one_learner_of_two_ranks(tmp_path):
-    """`torchrun --nproc-per-node 2 -m diloco.node join ...`: rank 0 alone speaks to the swarm and prints."""
+@pytest.mark.parametrize("layout", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_join_under_torchrun_is_one_learner_of_two_ranks(tmp_path, layout):
+    """`torchrun --nproc-per-node 2 -m diloco.node join [--fsdp] ...`: rank 0 alone speaks to the swarm and
+    prints."""
     spec, solo = _swarm_of_one(tmp_path, quorum=2)
     try:
-        proc = _torchrun("-m", "diloco.node", "join", "--spec", str(spec), "--peers", solo.url, "--listen",
+        proc = _torchrun("-m", "diloco.node", "join", *layout, "--spec", str(spec), "--peers", solo.url, "--listen",
                          "127.0.0.1:0", "--key", str(tmp_path / "key.pem"), "--steps", "80", "--json",
                          "--fast-membership", "--progress-every", "20", "--checkpoint-dir", str(tmp_path / "ckpt"),
                          "--checkpoint-every", "40", stderr=subprocess.PIPE)
@@ -123,3 +161,63 @@ def test_join_under_torchrun_is_one_learner_of_two_ranks(tmp_path):
     assert done["tokens"] == 80 * 2 * solo.task.tokens_per_batch
     assert any(int(v.split(".")[1]) >= 1 for v in done["versions"])
     assert any((tmp_path / "ckpt").glob("step-*")), "rank 0 wrote no checkpoint"
+
+
+def _rank_pids(launcher: int) -> dict[int, int]:
+    """RANK -> pid of the worker processes torchrun (pid `launcher`) started."""
+    out = {}
+    for child in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        ranks = [int(e[5:]) for e in env if e.startswith(b"RANK=")]
+        if ranks:
+            out[ranks[0]] = int(child)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_torchrun_learner_whose_rank_was_killed_rejoins_as_the_same_one_learner(tmp_path):
+    """kill -9 of rank 1 ends the job; relaunched with the same key and checkpoints, it resumes from rank 0's
+    checkpoint as the same single member of the swarm."""
+    spec, solo = _swarm_of_one(tmp_path, quorum=1)
+    key, ckpt = tmp_path / "key.pem", tmp_path / "ckpt"
+
+    def launch(steps: int, out: Path) -> subprocess.Popen:
+        with out.open("w") as f:
+            return subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                 "127.0.0.1", "--master-port", str(_free_port()), "-m", "diloco.node", "join", "--spec", str(spec),
+                 "--peers", solo.url, "--listen", "127.0.0.1:0", "--key", str(key), "--steps", str(steps),
+                 "--json", "--fast-membership", "--progress-every", "10", "--checkpoint-dir", str(ckpt),
+                 "--checkpoint-every", "20"], stdout=f, stderr=subprocess.STDOUT, text=True)
+
+    try:
+        first = launch(0, tmp_path / "first.log")
+        deadline = time.monotonic() + 120
+        while not any(ckpt.glob("step-*")) and first.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint from the torchrun learner"
+            solo.train(5)
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        from diloco.node.cli import load_identity
+        me = load_identity(key).peer_id
+        wait_until(lambda: me in {m.peer_id for m in solo.learner.swarm.members.live()}, 20, "the learner in view")
+        os.kill(_rank_pids(first.pid)[1], signal.SIGKILL)
+        stopped = time.monotonic()
+        while first.poll() is None and time.monotonic() < stopped + 90:
+            solo.train(5)
+        assert first.poll() not in (None, 0), "the job went on with a dead rank"
+        second = launch(60, tmp_path / "second.log")
+        seen: set[int] = set()
+        while second.poll() is None:
+            solo.train(5)
+            seen.add(len(solo.learner.swarm.members.live()))
+        log = (tmp_path / "second.log").read_text()
+        assert second.returncode == 0, log[-4000:]
+    finally:
+        solo.learner.close()
+    events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    joined = [e for e in events if e["event"] == "joined"]
+    assert len(joined) == 1 and joined[0]["peer_id"] == me, joined
+    assert joined[0]["step"] >= 20, "it did not resume from rank 0's checkpoint"
+    assert max(seen) <= 2, "the relaunched ranks showed up as more than one learner"
+    done = [e for e in events if e["event"] == "done"]
+    assert done and done[0]["steps"] == 60 and done[0]["ranks"] == 2

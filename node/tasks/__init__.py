@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fsdp import reshard
 from .data import Batch, ByteCorpus, CorpusError, MarkovSource, TokenSource, learner_generator
 from .hf import HFModel, causal_lm_loss
 from .model import GPT, GPTConfig
@@ -175,4 +176,5 @@ def evaluate(model: torch.nn.Module, task: Task) -> float:
                   for x, y in task.data.eval_batches(task.batch_size, task.context, task.n_eval_batches)]
     finally:
         model.train(was_training)
+        reshard(model)  # an FSDP2 model keeps its root gathered after a forward without backward
     return sum(losses) / len(losses)
