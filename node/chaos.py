@@ -204,7 +204,9 @@ class Fleet:
                 inc.steps = int(ev.get("step", ev.get("steps", inc.steps)))
                 inc.last_merged = int(ev.get("merged_steps", inc.last_merged))
                 inc.last_tokens = int(ev.get("merged_tokens", inc.last_tokens))
-                inc.accepted.extend(tuple(a) for a in ev.get("accepted", []))
+                accepted = [tuple(a) for a in ev.get("accepted", [])]
+                inc.accepted.extend(accepted)
+                inc.accepted_at.extend([now] * len(accepted))
                 inc.progress.append((now, inc.steps, inc.last_merged))
             if kind == "eval" or (kind == "done" and "eval_loss" in ev):
                 fleet_tokens = self._fleet_merged_tokens()

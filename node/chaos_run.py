@@ -96,6 +96,7 @@ def summarize(run: FleetRun, fragments: int, nominal: dict[int, float]) -> dict[
         "version_regressions": gp.version_regressions(incs),
         "unloadable_checkpoints": len(run.corrupt_checkpoints),
         "lost_accepted_updates": gp.lost_accepted_updates(incs),
+        "lost_with_every_holder_down": gp.lost_with_every_holder_down(incs),
         "aborts": run.aborts,
         "unexpected_exits": run.unexpected_exits,
         "merged_steps": round(sum(gp.merged_steps(incs, fragments, rollback).values()), 1),

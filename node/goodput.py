@@ -22,6 +22,10 @@ Invariants:
   any earlier incarnation of the same slot; the synchronous baseline's rollbacks start a new epoch);
 - a lost accepted update: two different terms accepted for the same version number of a fragment within one
   epoch: the swarm forked, and whoever held the losing branch had accepted an update that no longer exists.
+  Counted as a defect when some learner holding the losing version was up (joined, not yet dead) when the
+  competing one appeared: the new owner should have reached it. When every holder was down at that moment
+  (the learners that had it all dead or still restarting, the others publishing meanwhile), no protocol that
+  does not wait for dead peers could have kept it; those are counted apart (`lost_with_every_holder_down`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Incarnation:
     last_tokens: int = 0
     steps: int = 0  # inner steps taken, as last reported
     accepted: list[tuple[int, int, int]] = field(default_factory=list)  # (p, term, version), in order
+    accepted_at: list[float] = field(default_factory=list)  # when each of `accepted` was reported
     progress: list[tuple[float, int, int]] = field(default_factory=list)  # (time, inner step, merged_steps)
     final_eval_loss: float | None = None
     ended_by: str = ""  # "killed", "aborted" (rollback), "finished", "exited"
@@ -111,12 +116,46 @@ def version_regressions(incarnations: list[Incarnation]) -> int:
 
 
 def lost_accepted_updates(incarnations: list[Incarnation]) -> int:
-    """Σ over (epoch, fragment, version number) of (distinct terms accepted − 1)."""
-    terms: dict[tuple[int, int, int], set[int]] = defaultdict(set)
+    """Σ over (epoch, fragment, version number) of the terms accepted below the highest one, for which some
+    learner holding that version was up when a higher term of it appeared (module docstring)."""
+    return _forks(incarnations)[0]
+
+
+def lost_with_every_holder_down(incarnations: list[Incarnation]) -> int:
+    """The other lost accepted updates: every learner holding the version was down when a higher term of it
+    appeared."""
+    return _forks(incarnations)[1]
+
+
+def _forks(incarnations: list[Incarnation]) -> tuple[int, int]:
+    # (epoch, p, version) -> term -> slot -> the first time that slot accepted it (None: not reported)
+    seen: dict[tuple[int, int, int], dict[int, dict[int, float | None]]] = defaultdict(lambda: defaultdict(dict))
     for inc in incarnations:
-        for p, term, version in inc.accepted:
-            terms[(inc.epoch, p, version)].add(term)
-    return sum(len(t) - 1 for t in terms.values())
+        for i, (p, term, version) in enumerate(inc.accepted):
+            at = inc.accepted_at[i] if i < len(inc.accepted_at) else None
+            holders = seen[(inc.epoch, p, version)][term]
+            first = holders.get(inc.slot, at)
+            holders[inc.slot] = None if first is None or at is None else min(first, at)
+    defects = down = 0
+    for (epoch, _, _), terms in seen.items():
+        for term, holders in terms.items():
+            later = [t for higher, hs in terms.items() if higher > term for t in hs.values()]
+            if not later:
+                continue  # the surviving branch
+            appeared = min((t for t in later if t is not None), default=None)
+            if appeared is None or any(at is None or (at <= appeared and _up(incarnations, epoch, slot, appeared))
+                                       for slot, at in holders.items()):
+                defects += 1
+            else:
+                down += 1
+    return defects, down
+
+
+def _up(incarnations: list[Incarnation], epoch: int, slot: int, at: float) -> bool:
+    """Was an incarnation of `slot` joined and alive at `at`? (A relaunch holds again what its slot accepted:
+    its journal replays it.)"""
+    return any(i.slot == slot and i.epoch == epoch and i.joined_at is not None and i.joined_at <= at
+               and (i.ended_at is None or i.ended_at > at) for i in incarnations)
 
 
 def loss_at_tokens(points: list[tuple[float, float]], tokens: float, window: int = 4) -> float | None:

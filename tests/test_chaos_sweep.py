@@ -2,7 +2,9 @@
 
 Slow (about a minute a run): `./dev test -m slow tests/test_chaos_sweep.py`. Every run must end with no version
 regression, no lost accepted update, no unloadable checkpoint and no learner that died on its own, whatever
-the seed; a saturated fleet (4 learners asked for a step every 20 ms on 2 cores) keeps them too.
+the seed; a saturated fleet (4 learners asked for a step every 20 ms on 2 cores) keeps them too. A version whose
+every holder was down when another of its number appeared (`lost_with_every_holder_down`, node/goodput.py) is
+not a defect of the protocol, which never waits for dead peers; it is reported with the other figures.
 """
 
 import pytest
@@ -24,4 +26,5 @@ def test_no_schedule_breaks_an_invariant(tmp_path, seed, saturated):
     assert mode["failures"] >= 2, "the schedule killed fewer than two learners"
     found = {k: mode[k] for k in ("version_regressions", "lost_accepted_updates", "unloadable_checkpoints",
                                   "unexpected_exits")}
-    assert found == dict.fromkeys(found, 0), f"seed {seed}: {found}"
+    assert found == dict.fromkeys(found, 0), \
+        f"seed {seed}: {found}, every holder down: {mode['lost_with_every_holder_down']}, restart {mode['restart_s']} s"

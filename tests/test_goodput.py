@@ -66,6 +66,26 @@ def test_a_lost_accepted_update_is_one_version_number_accepted_under_two_terms()
     assert gp.lost_accepted_updates(incs) == 1
 
 
+def _timed(slot, joined, ended, accepted):
+    """An incarnation with its acceptances at times: accepted = [((p, term, version), at), ...]."""
+    return Incarnation(slot, joined - 1, joined_at=joined, ended_at=ended, accepted=[a for a, _ in accepted],
+                       accepted_at=[t for _, t in accepted])
+
+
+def test_a_fork_is_a_defect_when_a_holder_was_up_and_counted_apart_when_every_holder_was_down():
+    # slots 0 and 1 accept (1, 6) and die at t=20; slot 2 comes back at t=30 and publishes (2, 6) at t=31
+    down = [_timed(0, 1, 20, [((0, 1, 6), 10)]), _timed(1, 1, 20, [((0, 1, 6), 11)]),
+            _timed(2, 30, None, [((0, 2, 6), 31)])]
+    assert (gp.lost_accepted_updates(down), gp.lost_with_every_holder_down(down)) == (0, 1)
+    # the same, but slot 1's relaunch (its journal holds (1, 6)) had joined at t=29: the owner should have
+    # reached it
+    up = down + [_timed(1, 29, None, [])]
+    assert (gp.lost_accepted_updates(up), gp.lost_with_every_holder_down(up)) == (1, 0)
+    # a relaunch that joins only after the fork does not make it avoidable
+    late = down + [_timed(1, 32, None, [])]
+    assert (gp.lost_accepted_updates(late), gp.lost_with_every_holder_down(late)) == (0, 1)
+
+
 def test_loss_at_tokens_interpolates_a_smoothed_curve_and_clamps_at_its_ends():
     pts = [(0, 4.0), (100, 3.0), (200, 2.0)]
     assert gp.loss_at_tokens(pts, 150, window=1) == pytest.approx(2.5)
