@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from diloco.protocol import _kernels as K
+from diloco.protocol import device_int8
 from diloco.protocol.errors import Malformed, TooLarge
 
 if sys.byteorder != "little":  # payloads are little-endian and the kernels write native order
@@ -367,6 +368,10 @@ class Int8Codec(_FlatCodec):
         self.block = block
 
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Payload]:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu" and tensor.is_floating_point():
+            # on its device (protocol/device_int8.py): only the payload crosses to the host
+            x = tensor.detach().to(torch.float32).reshape(-1).contiguous()
+            return self._meta(tensor), owned_bytes(device_int8.encode(x, self.block).cpu().numpy())
         x = flat_float32(tensor)
         nblocks = -(-x.numel() // self.block)
         buf = np.empty(self.encoded_size(x.numel()), np.uint8)
@@ -374,6 +379,20 @@ class Int8Codec(_FlatCodec):
         if not K.int8_encode(x.numpy(), self.block, scales, codes):
             raise Malformed("tensor contains non-finite values")
         return self._meta(tensor), owned_bytes(buf)
+
+    def decode(self, meta: dict[str, Any], data: Payload, *, max_elements: int = DEFAULT_MAX_ELEMENTS,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """As every codec's; into an `out` on a device (a GPU learner's buffer), decoded there: only the
+        payload crosses from the host."""
+        if out is None or out.device.type == "cpu":
+            return super().decode(meta, data, max_elements=max_elements, out=out)
+        shape, numel, block, view = self._checked(meta, data, max_elements)
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.requires_grad or out.numel() != numel:
+            raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements, no grad")
+        host = torch.empty(len(view), dtype=torch.uint8, pin_memory=out.device.type == "cuda")
+        host.numpy()[:] = np.frombuffer(view, np.uint8)
+        device_int8.decode(host.to(out.device, non_blocking=True), numel, block, out.view(-1))
+        return out.view(shape)
 
     def _payload_len(self, numel: int, block: int) -> int:
         return 4 * -(-numel // block) + numel

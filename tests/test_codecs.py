@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from diloco.protocol import device_int8
 from diloco.protocol.codecs import (
     Codec,
     ErrorFeedback,
@@ -190,10 +191,45 @@ def test_decode_into_out_writes_there_and_returns_a_view_of_it(name: str) -> Non
         codec.decode(meta, data, out=torch.empty(599))
 
 
+def _int8_cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    mixed = torch.randn(2048, generator=g)
+    mixed[:512] *= 1e-40  # a block with a subnormal scale: divided, not multiplied by an overflowing inverse
+    mixed[512:1024] = 0  # a zero block
+    mixed[1024:1536] *= 3e38 / 4  # a scale at float32's top
+    return {"gaussian, a short last block": torch.randn(100_003, generator=g), "zeros": torch.zeros(1500),
+            "blocks of every kind": mixed,
+            "ties": (torch.randint(-300, 300, (4096,), generator=g).float() + 0.5) / 2.0,
+            "smallest subnormals": torch.tensor([1e-45, -1e-45, 3e-45])}
+
+
+@pytest.mark.parametrize("case", list(_int8_cases()))
+def test_the_device_int8_path_gives_the_cpu_kernels_bytes_and_values(case: str) -> None:
+    """protocol/device_int8.py, run here on CPU tensors: the same torch operations a GPU runs."""
+    x, codec = _int8_cases()[case], get_codec("int8")
+    meta, data = codec.encode(x)
+    assert device_int8.encode(x, codec.block).numpy().tobytes() == bytes(data)
+    out = torch.empty(x.numel())
+    device_int8.decode(torch.tensor(np.frombuffer(bytes(data), np.uint8)), x.numel(), codec.block, out)
+    assert torch.equal(out, codec.decode(meta, data))
+
+
+def test_the_device_int8_path_refuses_what_the_kernels_refuse() -> None:
+    with pytest.raises(Malformed, match="non-finite"):
+        device_int8.encode(torch.tensor([1.0, float("nan")]), 512)
+    payload = torch.tensor(np.frombuffer(np.float32(1.0).tobytes() + bytes([0x80, 1]), np.uint8))
+    with pytest.raises(Malformed, match="-128"):
+        device_int8.decode(payload, 2, 512, torch.empty(2))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_tensor_is_moved_to_cpu_before_encoding() -> None:
-    x = gaussian(1000)
-    assert get_codec("int8").encode(x.cuda()) == get_codec("int8").encode(x)
+def test_int8_encodes_and_decodes_a_cuda_tensor_on_the_device_as_on_the_cpu() -> None:
+    x = gaussian(100_003)
+    codec = get_codec("int8")
+    meta, data = codec.encode(x.cuda())
+    assert (meta, bytes(data)) == (codec.encode(x)[0], bytes(codec.encode(x)[1]))
+    out = torch.empty(x.numel(), device="cuda")
+    assert torch.equal(codec.decode(meta, data, out=out).cpu(), codec.decode(meta, data))
 
 
 # --- decode validation ----------------------------------------------------------------------------------
