@@ -172,17 +172,21 @@ class DistributedLearner:
             self.learner.step(tokens=total, loss=mean_loss if loss is not None else None)
         return self._share_writes() if self.shards is None else self._replay_writes()
 
-    def _share_writes(self) -> list[tuple[int, int, int]]:
-        n = torch.tensor([len(self._writes)], dtype=torch.int64, device=self.device)
+    def _broadcast_rows(self, rows: list[tuple[int, ...]], width: int) -> list[tuple[int, ...]]:
+        """Rank 0's `rows` of `width` integers, on every rank."""
+        n = torch.tensor([len(rows)], dtype=torch.int64, device=self.device)
         dist.broadcast(n, src=self.src, group=self.group)
         if not int(n.item()):
             return []
         if self.learner is not None:
-            ranges = torch.tensor(self._writes, dtype=torch.int64, device=self.device)
+            table = torch.tensor(rows, dtype=torch.int64, device=self.device)
         else:
-            ranges = torch.empty((int(n.item()), 3), dtype=torch.int64, device=self.device)
-        dist.broadcast(ranges, src=self.src, group=self.group)
-        writes = [tuple(int(v) for v in r) for r in ranges.tolist()]
+            table = torch.empty((int(n.item()), width), dtype=torch.int64, device=self.device)
+        dist.broadcast(table, src=self.src, group=self.group)
+        return [tuple(int(v) for v in r) for r in table.tolist()]
+
+    def _share_writes(self) -> list[tuple[int, int, int]]:
+        writes = self._broadcast_rows(self._writes, 3)
         for p, start, stop in writes:
             flat = self._buffer(p)
             if self.learner is not None:
@@ -194,19 +198,13 @@ class DistributedLearner:
 
     def _replay_writes(self) -> list[tuple[int, int, int]]:
         """FSDP2: every rank makes rank 0's writes into its copy of θ on its own shard."""
-        n = torch.tensor([len(self._writes)], dtype=torch.int64, device=self.device)
-        dist.broadcast(n, src=self.src, group=self.group)
-        if not int(n.item()):
+        ops = self._broadcast_rows([(p, a, b, int(add)) for (p, a, b), add in zip(self._writes, self._adds,
+                                                                                   strict=True)], 4)
+        if not ops:
             return []
         if self.learner is not None:
-            head = torch.tensor([(p, a, b, int(add)) for (p, a, b), add in zip(self._writes, self._adds, strict=True)],
-                                dtype=torch.int64, device=self.device)
             values = torch.cat(self._values).to(self.device)
         else:
-            head = torch.empty((int(n.item()), 4), dtype=torch.int64, device=self.device)
-        dist.broadcast(head, src=self.src, group=self.group)
-        ops = [tuple(int(v) for v in r) for r in head.tolist()]
-        if self.learner is None:
             values = torch.empty(sum(b - a for _, a, b, _ in ops), dtype=torch.float32, device=self.device)
         dist.broadcast(values, src=self.src, group=self.group)
         at = 0

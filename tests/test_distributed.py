@@ -50,21 +50,27 @@ def _swarm_of_one(tmp_path: Path, quorum: int) -> tuple[Path, LocalLearner]:
     return spec, LocalLearner(genesis, 0).start()
 
 
-@pytest.mark.timeout(300)
-def test_a_two_rank_ddp_learner_and_a_single_process_learner_train_one_swarm(tmp_path):
+def _beside_a_single_process_learner(tmp_path: Path, steps: int, *mode: str) -> tuple[list[dict], float, float]:
+    """The 2-rank worker trains `steps` steps in a swarm with a single-process learner of this process; returns
+    the ranks' reports and the single learner's eval loss before and after."""
     spec, solo = _swarm_of_one(tmp_path, quorum=2)
     try:
         before = evaluate(solo.model, solo.task)
-        steps = 150
-        proc = _worker(spec, solo.url, tmp_path, steps)
+        proc = _worker(spec, solo.url, tmp_path, steps, *mode)
         while proc.poll() is None:
             solo.train(5)
         output = proc.stdout.read()
-        assert proc.returncode == 0, output[-40000:]
+        assert proc.returncode == 0, output[-4000:]
         after = evaluate(solo.model, solo.task)
     finally:
         solo.learner.close()
-    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)], before, after
+
+
+@pytest.mark.timeout(300)
+def test_a_two_rank_ddp_learner_and_a_single_process_learner_train_one_swarm(tmp_path):
+    steps = 150
+    ranks, before, after = _beside_a_single_process_learner(tmp_path, steps)
     assert ranks[0]["digests"] == ranks[1]["digests"], "the ranks' parameters differ after a change by the swarm"
     assert len(ranks[0]["digests"]) > 3, "the swarm never changed the DDP learner's parameters"
     assert ranks[0]["t"] == ranks[1]["t"] == steps
@@ -80,19 +86,8 @@ def test_a_two_rank_fsdp2_learner_trains_with_the_swarm_and_its_shards_hold_what
     """FSDP2 (node/fsdp.py): rank 0 works on a full copy of θ and the ranks replay its writes on their shards;
     after `close` the θ the two shards make up is, bit for bit, the θ rank 0 checkpointed (every version
     the swarm sent, every step the ranks made)."""
-    spec, solo = _swarm_of_one(tmp_path, quorum=2)
-    try:
-        before = evaluate(solo.model, solo.task)
-        steps = 150
-        proc = _worker(spec, solo.url, tmp_path, steps, "fsdp")
-        while proc.poll() is None:
-            solo.train(5)
-        output = proc.stdout.read()
-        assert proc.returncode == 0, output[-40000:]
-        after = evaluate(solo.model, solo.task)
-    finally:
-        solo.learner.close()
-    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    steps = 150
+    ranks, before, after = _beside_a_single_process_learner(tmp_path, steps, "fsdp")
     for r in ranks:
         assert len({d for _, d in r["digests"]}) > 3, "the swarm never changed this rank's shard"
         assert r["t"] == steps and r["tokens"] == steps * 2 * r["tokens_per_batch"]
