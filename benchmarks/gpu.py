@@ -9,8 +9,11 @@
 2. Learners: two `join` processes of the small GPT on the same device, standalone side by side, then the same
    two as a swarm (quorum 2, H = 50, P = 4); tokens/s from their own `done` reports; ratio = in swarm ÷
    standalone (the same contention on the device both times).
+3. One outer round: `owner_round_s`, the median over the swarm's owners of their published rounds (deltas
+   taken, the outer step, replication, the version pushed to every learner), as each reported it; and
+   `network_bytes_per_step`, what a swarm learner sent and received per inner step.
 
-Not measured yet (the issue asks for them): one outer round's time and the bytes over PCIe per outer step.
+Not measured yet (the issue asks for it): the bytes over PCIe per outer step.
 `--device cpu` runs the same on the CPU (a dry run of the script: its figures say nothing about a GPU). The
 table goes to stderr; the last line of stdout is one JSON object.
 """
@@ -110,8 +113,12 @@ def learner_figures(device: str, steps: int, work: Path) -> dict[str, float]:
         return d["tokens"] / d["train_s"] if d.get("train_s") else 0.0
 
     standalone, in_swarm = statistics.fmean(rate(d) for d in solo), statistics.fmean(rate(d) for d in swarm)
+    rounds = [d["owner_round_s"] for d in swarm if d.get("owner_round_s") is not None]
+    moved = [sum(v for v in d.get("bytes", {}).values() if isinstance(v, int | float)) / d["steps"] for d in swarm]
     return {"standalone_tokens_per_s": round(standalone, 1), "swarm_tokens_per_s": round(in_swarm, 1),
             "swarm_vs_standalone": round(in_swarm / standalone, 3) if standalone else 0.0,
+            "owner_round_s": round(statistics.median(rounds), 3) if rounds else None,
+            "network_bytes_per_step": round(statistics.fmean(moved)),
             "swarm_versions": [d.get("versions") for d in swarm]}
 
 

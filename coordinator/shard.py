@@ -78,6 +78,8 @@ class Shard:
                                       spec.max_staleness, strict_quorum=spec.synchronous)
         self.owners: dict[int, FragmentOwner] = {}  # the fragments this peer owns; changed on the loop only
         self.outer_steps = [0] * len(store)
+        # seconds of each recent published round, from taking its deltas to its version pushed to every learner
+        self.round_s: collections.deque[float] = collections.deque(maxlen=256)
         self.stats: collections.Counter[str] = collections.Counter()
         self.verifier = EnvelopeVerifier(spec.run_id, is_member=spec.is_member, kinds={DELTA, REPLICATE})
         self._wake: asyncio.Event | None = None
@@ -257,7 +259,8 @@ class Shard:
         self.outer_steps[p] += 1
         self.stats["outer_steps"] += 1
         await self._push(env, exclude=replicated | {self.members.peer_id})
-        owner.tracker.observe_sync_time(time.monotonic() - t0)
+        self.round_s.append(time.monotonic() - t0)
+        owner.tracker.observe_sync_time(self.round_s[-1])
         self._spawn(self.members.dht.store(frag_key(self.spec.run_id, p), FragRecord(pub.new).encode(),
                                            time.time() + FRAG_RECORD_TTL_S, subkey=self.members.peer_id))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -176,6 +177,9 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
         "final_loss": _mean(losses[-20:]),
         "eval_loss": evaluate(model, task),
         "outer_steps": sum(learner.swarm.shard.outer_steps) if learner.swarm.shard else 0,
+        # median seconds of this peer's published rounds: deltas taken -> version pushed to every learner
+        "owner_round_s": statistics.median(learner.swarm.shard.round_s) if learner.swarm.shard and
+        learner.swarm.shard.round_s else None,
         "versions": [str(v) for v in learner.labels],
         "bytes": learner.swarm.bytes_total(),
         "sent_steps": learner.sent_steps,

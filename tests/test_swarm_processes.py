@@ -70,6 +70,8 @@ def test_three_learner_processes_bring_the_eval_loss_well_down(fleet):
     evals = [p.events("done")[0]["eval_loss"] for p in procs]
     assert max(evals) < 3.0, f"eval losses {evals} (start ≈ ln 64 = 4.16, best possible ≈ 2.35)"
     assert sum(p.events("done")[0]["outer_steps"] for p in procs) > 0
+    rounds = [p.events("done")[0]["owner_round_s"] for p in procs if p.events("done")[0]["outer_steps"]]
+    assert rounds and all(0 < r < 30 for r in rounds), rounds  # an owner's published rounds, timed
 
 
 @pytest.mark.timeout(300)
