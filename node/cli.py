@@ -230,6 +230,9 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
               help="Key file (created if missing). Default: a fresh key each start.")
 @click.option("--data", default=None, help="This learner's own data: file:PATH (default: the run's task data).")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+              help="The inner steps' forward: bf16 autocast, or fp32. auto: bf16 with --device cuda, fp32 on the "
+              "CPU. Parameters, deltas and versions stay fp32 either way.")
 @click.option("--fsdp", is_flag=True, help="Under torchrun: shard the model over the ranks with FSDP2 "
               "(fully_shard per block) instead of replicating it with DDP; rank 0 keeps a full copy in host memory.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -250,7 +253,7 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
               "(an emulated fixed-speed chip; the chaos harness uses it).")
 @click.option("--standalone", is_flag=True, hidden=True, help="Train alone, without a swarm (nominal rate).")
 def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ...], key: Path | None,
-         data: str | None, device: str, fsdp: bool, checkpoint_dir: Path | None, checkpoint_every: int, client_mode: bool,
+         data: str | None, device: str, precision: str, fsdp: bool, checkpoint_dir: Path | None, checkpoint_every: int, client_mode: bool,
          region: str, steps: int, progress_every: int, eval_every: int, as_json: bool, fast_membership: bool,
          wait_for_peers: float, slowdown: float, pace_s: float, standalone: bool) -> None:
     """Join a run as a learner (and syncer shard) and train the run's task."""
@@ -271,7 +274,8 @@ def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ..
     opts = TrainOptions(steps=steps, data=data, device=device, progress_every=progress_every,
                         eval_every=eval_every, json=as_json, checkpoint_dir=checkpoint_dir,
                         checkpoint_every=checkpoint_every if checkpoint_dir else 0, slowdown=slowdown,
-                        pace_s=pace_s, standalone=standalone, fsdp=fsdp)
+                        pace_s=pace_s, standalone=standalone, fsdp=fsdp,
+                        precision=("bf16" if device == "cuda" else "fp32") if precision == "auto" else precision)
     # under torchrun only rank 0 is the swarm member: the others never sign anything, and must not race it
     # to create the key file
     identity = load_identity(key) if os.environ.get("RANK", "0") == "0" else Identity.generate()

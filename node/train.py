@@ -59,6 +59,7 @@ class TrainOptions:
     pace_s: float = 0.0  # every inner step lasts at least this long (an emulated fixed-speed chip)
     standalone: bool = False  # no swarm: the same loop alone (nominal steps/s)
     fsdp: bool = False  # under torchrun: FSDP2 shards instead of DDP replicas (node/train_ranks.py)
+    precision: str = "fp32"  # "bf16": the forward under bf16 autocast (parameters, θ and the swarm stay fp32)
 
 
 def emit(opts: TrainOptions, event: str, **fields: Any) -> None:
@@ -230,11 +231,17 @@ def _train_alone(spec: RunSpec, task: Task, model: torch.nn.Module, optimizer: t
 def _inner_step(task: Task, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Any,
                 opts: TrainOptions) -> float:
     x, y = next(batches)
-    loss = task.loss(model, x.to(opts.device), y.to(opts.device))
+    with autocast(opts):
+        loss = task.loss(model, x.to(opts.device), y.to(opts.device))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
     return loss.item()
+
+
+def autocast(opts: TrainOptions) -> torch.autocast:
+    """The inner step's forward in bf16 where `opts.precision` says so; the backward follows its casts."""
+    return torch.autocast(torch.device(opts.device).type, dtype=torch.bfloat16, enabled=opts.precision == "bf16")
 
 
 def _pace(opts: TrainOptions, step_start: float) -> None:

@@ -40,7 +40,7 @@ def world_size() -> int:
 
 
 def train_ranks(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Any) -> dict[str, Any]:
-    from .train import _mean, emit, task_of  # (train.py dispatches here: imported late, no cycle)
+    from .train import _mean, autocast, emit, task_of  # (train.py dispatches here: imported late, no cycle)
 
     torch.set_num_threads(1)
     device = opts.device
@@ -71,7 +71,8 @@ def train_ranks(genesis: Genesis, identity: Identity, config: SwarmConfig, opts:
     try:
         while not opts.steps or learner.t < opts.steps:
             x, y = next(batches)
-            loss = task.loss(ddp, x.to(device), y.to(device))
+            with autocast(opts):
+                loss = task.loss(ddp, x.to(device), y.to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

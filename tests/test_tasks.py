@@ -182,3 +182,20 @@ def test_the_task_optimizer_is_torch_adamw_bit_for_bit_without_importing_dynamo(
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_bf16_precision_runs_the_forward_in_bf16_and_keeps_the_parameters_fp32():
+    from diloco.node.train import TrainOptions, _inner_step
+
+    task = make_task("markov")
+    model = task.build_model()
+    opt = task.optimizer(model)
+    seen: list[torch.dtype] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    stream = task.batches(learner=0)
+    losses = [_inner_step(task, model, opt, stream, TrainOptions(precision="bf16")) for _ in range(40)]
+    _inner_step(task, model, opt, stream, TrainOptions())
+    hook.remove()
+    assert seen[:40] == [torch.bfloat16] * 40 and seen[40] == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(math.isfinite(v) for v in losses) and sum(losses[-5:]) / 5 < losses[0] - 0.3
