@@ -253,8 +253,8 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
               "(an emulated fixed-speed chip; the chaos harness uses it).")
 @click.option("--standalone", is_flag=True, hidden=True, help="Train alone, without a swarm (nominal rate).")
 def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ...], key: Path | None,
-         data: str | None, device: str, precision: str, fsdp: bool, checkpoint_dir: Path | None, checkpoint_every: int, client_mode: bool,
-         region: str, steps: int, progress_every: int, eval_every: int, as_json: bool, fast_membership: bool,
+         data: str | None, device: str, precision: str, fsdp: bool, checkpoint_dir: Path | None,
+         checkpoint_every: int, client_mode: bool, region: str, steps: int, progress_every: int, eval_every: int, as_json: bool, fast_membership: bool,
          wait_for_peers: float, slowdown: float, pace_s: float, standalone: bool) -> None:
     """Join a run as a learner (and syncer shard) and train the run's task."""
     from .learner import SyncTimeout

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from diloco.coordinator.plan import FragmentPlan
 
 from .fsdp import Shards, is_sharded
-from .learner import Learner, step_hook
+from .learner import Learner, due_at, step_hook
 
 
 class DistributedLearner:
@@ -90,8 +90,7 @@ class DistributedLearner:
         counters."""
         error: list[str | None] = [None]
         if self.shards is not None:  # rank 0's learner starts from the model as the ranks hold it
-            for p in range(len(self.plan)):
-                self.shards.gather(p, self._full)
+            self.shards.gather(range(len(self.plan)), self._full)
         if self.learner is not None:
             try:
                 self.learner.start()
@@ -140,13 +139,12 @@ class DistributedLearner:
         g = self._gathers
         if g["checkpoints"] and g["checkpoint_every"] and t % g["checkpoint_every"] == 0:
             return list(range(len(self.plan)))
-        return [p for p, offset in enumerate(g["offsets"]) if t % g["inner_steps"] == offset]
+        return due_at(t, g["offsets"], g["inner_steps"])
 
     def close(self) -> None:
         """Every rank: rank 0 leaves the swarm (after a last checkpoint, which an FSDP2 learner gathers first)."""
         if self.shards is not None and self._gathers.get("checkpoints"):
-            for p in range(len(self.plan)):
-                self.shards.gather(p, self._full)
+            self.shards.gather(range(len(self.plan)), self._full)
         if self.learner is not None:
             self._clear()
             self.learner.close()
@@ -165,8 +163,7 @@ class DistributedLearner:
         self.t += 1
         self.tokens += total
         if self.shards is not None:
-            for p in self._reads_at(self.t):
-                self.shards.gather(p, self._full)
+            self.shards.gather(self._reads_at(self.t), self._full)
         if self.learner is not None:
             self._clear()
             self.learner.step(tokens=total, loss=mean_loss if loss is not None else None)
@@ -207,10 +204,7 @@ class DistributedLearner:
         else:
             values = torch.empty(sum(b - a for _, a, b, _ in ops), dtype=torch.float32, device=self.device)
         dist.broadcast(values, src=self.src, group=self.group)
-        at = 0
-        for p, start, stop, add in ops:
-            self.shards.apply(p, start, stop, values[at:at + stop - start], bool(add))
-            at += stop - start
+        self.shards.apply(ops, values)
         self._clear()
         return [(p, start, stop) for p, start, stop, _ in ops]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -111,16 +112,17 @@ class Shards:
         return {n: torch.empty(s, dtype=torch.float32) for f in self.plan.fragments
                 for n, s in zip(f.names, f.shapes, strict=True)}
 
-    def gather(self, p: int, into: dict[str, Tensor] | None) -> None:
-        """Collective: fragment p's full values into `into` (the member rank's copy; None on the others)."""
+    def gather(self, fragments: Iterable[int], into: dict[str, Tensor] | None) -> None:
+        """Collective: these fragments' full values into `into` (the member rank's copy; None on the others)."""
         params = self._params()
         with torch.no_grad():
-            for piece in self.pieces[p]:
-                t = params[piece.name]
-                full = t.full_tensor() if _is_dtensor(t) else t
-                if into is not None:
-                    into[piece.name].copy_(full)
-                del full
+            for p in fragments:
+                for piece in self.pieces[p]:
+                    t = params[piece.name]
+                    full = t.full_tensor() if _is_dtensor(t) else t
+                    if into is not None:
+                        into[piece.name].copy_(full)
+                    del full
 
     def scatter(self, full: dict[str, Tensor] | None, src: int, group=None) -> None:
         """Collective: every rank's shards := `full` (the member rank's copy, given on rank `src` only), one
@@ -137,22 +139,26 @@ class Shards:
                     dist.broadcast(buf, src=src, group=group)
                     local.copy_(buf.view(-1)[piece.lo:piece.hi])
 
-    def apply(self, p: int, start: int, stop: int, values: Tensor, add: bool) -> None:
-        """θ[p][start:stop] += values (add) or := values, on the elements this rank holds (`values` holds
-        stop − start elements)."""
+    def apply(self, writes: Iterable[tuple[int, int, int, int]], values: Tensor) -> None:
+        """For each write (p, start, stop, add), in order: θ[p][start:stop] += (add) or := its stop − start
+        values, the next ones of `values`, on the elements this rank holds."""
         params = self._params()
+        at = 0
         with torch.no_grad():
-            for piece in self.pieces[p]:
-                lo, hi = max(start, piece.offset + piece.lo), min(stop, piece.offset + piece.hi)
-                if lo >= hi:
-                    continue
-                local = _local(params[piece.name])
-                part = local[lo - piece.offset - piece.lo: hi - piece.offset - piece.lo]
-                src = values[lo - start: hi - start].to(part.device, non_blocking=True)
-                if add:
-                    part.add_(src)
-                else:
-                    part.copy_(src)
+            for p, start, stop, add in writes:
+                mine = values[at: at + stop - start]
+                at += stop - start
+                for piece in self.pieces[p]:
+                    lo, hi = max(start, piece.offset + piece.lo), min(stop, piece.offset + piece.hi)
+                    if lo >= hi:
+                        continue
+                    local = _local(params[piece.name])
+                    part = local[lo - piece.offset - piece.lo: hi - piece.offset - piece.lo]
+                    src = mine[lo - start: hi - start].to(part.device, non_blocking=True)
+                    if add:
+                        part.add_(src)
+                    else:
+                        part.copy_(src)
 
 
 def reshard(model: nn.Module) -> None:

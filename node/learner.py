@@ -58,6 +58,11 @@ def genesis_digest(plan: FragmentPlan, model: torch.nn.Module) -> bytes:
     return _digest_of([plan.flatten(p, params) for p in range(len(plan.fragments))])
 
 
+def due_at(t: int, offsets: list[int], inner_steps: int) -> list[int]:
+    """The fragments whose delta is due at inner step t (fragment p every H steps, at its offset)."""
+    return [p for p, offset in enumerate(offsets) if t % inner_steps == offset]
+
+
 def _urls(saved: object) -> list[str]:
     """The member URLs a checkpoint remembered (`Swarm.known_urls`); anything else in that field is ignored."""
     if not isinstance(saved, list):
@@ -289,10 +294,7 @@ class Learner:
         for p in range(self.spec.fragments):
             self.c_steps[p] += 1
             self.c_tokens[p] += tokens
-        H = self.spec.inner_steps
-        for p, offset in enumerate(self.offsets):
-            if self.t % H != offset:
-                continue
+        for p in due_at(self.t, self.offsets, self.spec.inner_steps):
             if self.spec.synchronous:
                 self._wait_merged([p])
             if self.c_steps[p] > 0:

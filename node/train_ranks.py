@@ -3,8 +3,9 @@
     torchrun --nproc-per-node N -m diloco.node join --spec run.spec --peers HOST:PORT [--fsdp] ...
 
 Every rank builds the run's model, wraps it in DistributedDataParallel (or shards it with FSDP2's
-`fully_shard`, `--fsdp`) and trains on its own share of the data; rank 0 is the swarm member (`DistributedLearner`, node/distributed.py) and alone prints events, listens
-on `--listen` and writes checkpoints. gloo on the CPU, NCCL with `--device cuda` (each rank on its LOCAL_RANK).
+`fully_shard`, `--fsdp`) and trains on its own share of the data; rank 0 is the swarm member
+(`DistributedLearner`, node/distributed.py) and alone prints events, listens on `--listen` and writes
+checkpoints. gloo on the CPU, NCCL with `--device cuda` (each rank on its LOCAL_RANK).
 """
 
 from __future__ import annotations
