@@ -94,6 +94,8 @@ class FragmentOwner:
         self.label: Version | None = None  # the version whose owner state this is (None: not known yet)
         self._spare: Tensor | None = None  # the buffer the next step writes its momentum into
         self.held_back = False  # no step while True (a new owner reaching the newest version first)
+        self.hold_until: float | None = None  # no step before this time (a new owner pulling its momentum)
+        self.clock = clock
         self.pending: dict[str, PendingDelta] = {}
         self.tracker = QuorumTracker(learners, settings.quorum, settings.gamma, settings.tau, settings.cap_s, clock,
                                      strict=settings.strict_quorum)
@@ -127,10 +129,15 @@ class FragmentOwner:
         self.tracker.add(delta.learner)
 
     def ready(self, now: float | None = None) -> bool:
-        return bool(self.pending) and not self.held_back and self.tracker.ready(now)
+        now = self.clock() if now is None else now
+        held = self.held_back or (self.hold_until is not None and now < self.hold_until)
+        return bool(self.pending) and not held and self.tracker.ready(now)
 
     def deadline(self) -> float | None:
-        return self.tracker.deadline() if self.pending and not self.held_back else None
+        if not self.pending or self.held_back:
+            return None
+        due = self.tracker.deadline()
+        return due if self.hold_until is None or due is None else max(due, self.hold_until)
 
     def take_round(self) -> list[PendingDelta]:
         """End the round: its deltas, for `step`; deltas arriving from now on belong to the next round."""

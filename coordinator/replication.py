@@ -45,6 +45,14 @@ from .wire import (
 log = logging.getLogger(__name__)
 
 
+def fp32_copy(momentum: torch.Tensor) -> Encoded:
+    """A momentum as it travels after a full replication: an fp32 copy, taken now (an owner's next step writes
+    into the buffer its previous momentum came from)."""
+    fp32 = get_codec("fp32")
+    meta, payload = fp32.encode(momentum)
+    return Encoded(fp32, meta, payload)
+
+
 class Replication:
     """Both sides of replication for one peer."""
 
@@ -69,12 +77,20 @@ class Replication:
         self._alone_since: float | None = None  # when the owner last found no other live member (`_alone`)
         # (p, version, momentum) of a full replication: a hand-over that may arrive after we took p over
         self.on_handover: Callable[[int, Version, Encoded], None] = lambda p, label, momentum: None
+        # the momentum this peer's owner of p holds at a version (`Takeover.served`), when nothing is kept
+        self.served_by_owner: Callable[[int, Version], Encoded | None] = lambda p, label: None
         server.add_envelope_route(ROUTE_REPLICATE, verifier, self._on_replicate, kinds={REPLICATE})
         server.add_route("GET", ROUTE_MOMENTUM, self._serve_momentum)
 
     def take(self, p: int) -> tuple[Version, Encoded | None] | None:
         """What we keep of fragment p (its version and momentum), handed to a takeover and forgotten here."""
         return self.kept.pop(p, None)
+
+    def keep(self, p: int, label: Version, momentum: torch.Tensor) -> None:
+        """Keep the momentum of version `label` as a replica would (an owner that became a replica of p):
+        an fp32 copy, unless what is kept already is of a newer version."""
+        if p not in self.kept or self.kept[p][0] <= label:
+            self.kept[p] = (label, fp32_copy(momentum))
 
     # -- owner side -----------------------------------------------------------------------------------------
 
@@ -201,10 +217,12 @@ class Replication:
 
     async def _serve_momentum(self, request: web.Request) -> web.Response:
         """GET /v1/momentum/{p}?label=T.V: the replicated momentum of that version, if this peer holds it, in
-        the codec it arrived in."""
+        the codec it arrived in; else the one of its owner of p at that version, in fp32."""
         p = path_fragment(request.match_info["p"], len(self.store))
         label = Version.parse(request.query.get("label", ""))
         kept = self.kept.get(p)
-        if kept is None or kept[1] is None or kept[0] != label:
-            return web.Response(status=404, text="no replicated momentum of that version here\n")
-        return web.Response(body=pack_momentum(kept[1].meta, kept[1].payload))
+        held = kept[1] if kept is not None and kept[0] == label else None
+        held = held or self.served_by_owner(p, label)
+        if held is None:
+            return web.Response(status=404, text="no momentum of that version here\n")
+        return web.Response(body=pack_momentum(held.meta, held.payload))

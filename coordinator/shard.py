@@ -34,7 +34,7 @@ from .replication import Replication
 from .runspec import RunSpec
 from .sync import STATEFUL_POST_FLOOR_S, FragmentSync
 from .takeover import Takeover, next_term
-from .version import GENESIS
+from .version import GENESIS, Version
 from .wire import (
     DELTA,
     REPLICATE,
@@ -141,7 +141,7 @@ class Shard:
                 self._acquire(p, live)
                 taken.append(p)
             elif (not roles or roles[0] != me) and p in self.owners:
-                self._release(p, roles[0] if roles else None)
+                self._release(p, roles)
             if p in self.owners:
                 self.owners[p].tracker.set_expected(live)
         self.store.keep_frames = holding
@@ -179,10 +179,17 @@ class Shard:
                 self.stats["takeovers_without_momentum"] += 1
         log.info("now owner of fragment %d at %s (term %d, momentum %s)", p, label, term, self.momentum_source[p])
         if momentum is None and label != GENESIS:
-            self._spawn(self.takeover.pull(p, label))
+            self._spawn(self._pull(p, label))
 
-    def _release(self, p: int, new_owner: str | None) -> None:
+    async def _pull(self, p: int, label: Version) -> None:
+        try:
+            await self.takeover.pull(p, label)
+        finally:
+            self._poke()  # the owner held its first step back meanwhile
+
+    def _release(self, p: int, roles: list[str]) -> None:
         owner = self.owners.pop(p)
+        new_owner = roles[0] if roles else None
         self.stats["deltas_dropped_on_handoff"] += len(owner.pending)
         log.info("no longer owner of fragment %d (new owner %s)", p, (new_owner or "none")[:8])
         if new_owner is None or owner.momentum is None:
@@ -191,6 +198,8 @@ class Shard:
         # writes only its own buffers, and a popped owner never commits again.
         anchor, label, cert = self.store.snapshot(p)
         if label != GENESIS and label == owner.label:
+            if self.members.peer_id in roles:  # still a replica of p: keep what a replica would
+                self.replication.keep(p, label, owner.momentum)
             self._spawn(self.replication.send_full(p, new_owner, owner.term, owner.momentum, cert, anchor))
 
     # -- the outer step -------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ themselves belong to the shard, and are changed here only through `FragmentOwner
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import logging
@@ -28,13 +29,15 @@ from .fragments import Encoded, FragmentStore
 from .membership import Membership
 from .outer import OuterOptimizer
 from .owner import FragmentOwner
-from .replication import Replication
+from .replication import Replication, fp32_copy
 from .sync import FragmentSync
 from .version import Version
 from .wire import UpdateFields, momentum_body_max, parse_momentum
 
 log = logging.getLogger(__name__)
 TERM_SLOTS = 1 << 16
+PULL_HOLD_S = 10.0  # how long a new owner without its momentum holds its first step back to pull it
+PULL_RETRY_S = 1.0  # between two rounds of asking every live member
 
 
 def next_term(seen: int, peer_id: str) -> int:
@@ -66,6 +69,7 @@ class Takeover:
         self.spawn = spawn
         self.momentum_source: dict[int, str] = {}  # p -> where the momentum of an owned fragment came from
         replication.on_handover = self._handed_over
+        replication.served_by_owner = self.served
 
     def term(self, p: int) -> int:
         """The term a new owner of p publishes under: above its label's and every term replicated to it."""
@@ -133,30 +137,63 @@ class Takeover:
 
     async def pull(self, p: int, label: Version) -> None:
         """Taken over without the momentum of this version (member views differed, so the owner replicated
-        to another peer): ask the other live members for it (GET /v1/momentum/{p}?label=T.V), one after the
-        other until one has it; a member that fails or answers something malformed is passed over."""
-        numel = self.store.numel(p)
-        for m in self.members.servers():
-            owner = self.owners.get(p)
-            if owner is None or owner.momentum is not None or self.store.label(p) != label:
-                return
-            try:
-                body = await self.client.request("GET", m.url, f"/v1/momentum/{p}?label={label}", deadline_s=10.0,
-                                                 max_response=momentum_body_max(numel))
-                meta, payload = parse_momentum(body)
-                momentum = Encoded(self._codec_of(meta), meta, payload).decode(numel)
-            except RemoteError as e:
-                if e.status != 404:
-                    log.info("momentum pull of fragment %d from %s refused: %s", p, m.peer_id[:8], e)
-                continue
-            except (TransportError, ProtocolError) as e:
-                log.info("momentum pull of fragment %d from %s failed: %s", p, m.peer_id[:8], e)
-                self.stats["momentum_pull_failures"] += 1
-                continue
-            if self.owners.get(p) is owner and self.store.label(p) == label and owner.adopt_momentum(momentum, label):
-                self.momentum_source[p] = "pulled"
-                self.stats["momentum_pulled_after_takeover"] += 1
+        to another peer, or the holder owned p for a moment): ask the other live members for it (GET
+        /v1/momentum/{p}?label=T.V) until one has it, in rounds `PULL_RETRY_S` apart for at most
+        `PULL_HOLD_S`, while the owner holds its first step back (stepping would start the momentum from
+        zero, and the one pulled afterwards would belong to an older version). A member that fails or answers
+        something malformed is passed over; once the hold is over the owner steps with a fresh momentum."""
+        owner = self.owners.get(p)
+        if owner is None:
             return
+        loop = asyncio.get_running_loop()
+        until = loop.time() + PULL_HOLD_S
+        owner.hold_until = owner.clock() + PULL_HOLD_S
+        try:
+            while True:
+                for m in self.members.servers():
+                    if self.owners.get(p) is not owner or owner.momentum is not None or self.store.label(p) != label:
+                        return
+                    momentum = await self._ask(p, label, m)
+                    if momentum is None:
+                        continue
+                    if self.owners.get(p) is owner and self.store.label(p) == label \
+                            and owner.adopt_momentum(momentum, label):
+                        self.momentum_source[p] = "pulled"
+                        self.stats["momentum_pulled_after_takeover"] += 1
+                    return
+                if loop.time() + PULL_RETRY_S >= until:
+                    break
+                await asyncio.sleep(PULL_RETRY_S)
+            if self.owners.get(p) is owner and owner.momentum is None:
+                self.stats["momentum_pull_gave_up"] += 1
+                log.warning("fragment %d: no live member holds the momentum of %s; its owner restarts it from "
+                            "zero", p, label)
+        finally:
+            owner.hold_until = None
+
+    async def _ask(self, p: int, label: Version, m) -> torch.Tensor | None:
+        """Member m's momentum of p at `label`, or None (it has none, failed, or answered something malformed)."""
+        numel = self.store.numel(p)
+        try:
+            body = await self.client.request("GET", m.url, f"/v1/momentum/{p}?label={label}", deadline_s=10.0,
+                                             max_response=momentum_body_max(numel))
+            meta, payload = parse_momentum(body)
+            return Encoded(self._codec_of(meta), meta, payload).decode(numel)
+        except RemoteError as e:
+            if e.status != 404:
+                log.info("momentum pull of fragment %d from %s refused: %s", p, m.peer_id[:8], e)
+        except (TransportError, ProtocolError) as e:
+            log.info("momentum pull of fragment %d from %s failed: %s", p, m.peer_id[:8], e)
+            self.stats["momentum_pull_failures"] += 1
+        return None
+
+    def served(self, p: int, label: Version) -> Encoded | None:
+        """The momentum of p at `label` that this peer's owner of p holds, for GET /v1/momentum/{p} (a peer
+        that took p over for a moment took the replica's copy with it), copied now, on the event loop."""
+        owner = self.owners.get(p)
+        if owner is None or owner.momentum is None or owner.label != label:
+            return None
+        return fp32_copy(owner.momentum)
 
     def _codec_of(self, meta: dict) -> Codec:
         """A replicated momentum travels in the run's codec (an ordinary replication) or in fp32 (a full

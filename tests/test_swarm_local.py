@@ -204,6 +204,82 @@ def test_a_new_owner_pulls_the_momentum_a_member_holds_in_fp32_after_a_full_repl
 
 
 @pytest.mark.timeout(120)
+def test_a_new_owner_holds_its_first_step_back_and_asks_again_until_a_member_has_the_momentum(fleet, monkeypatch):
+    from diloco.coordinator import takeover as takeover_mod
+
+    _, owner, holder, p = owner_and_replica(fleet)
+    shard, replication = owner.learner.swarm.shard, holder.learner.swarm.shard.replication
+    label = owner.learner.swarm.store.label(p)
+    kept = replication.kept.pop(p)  # the holder has nothing yet: its copy arrives a moment later
+    assert kept[0] == label
+    shard.owners[p].momentum = None  # as after a takeover that missed it
+
+    async def pull_with_late_holder() -> bool:
+        import asyncio
+
+        pulling = asyncio.ensure_future(shard.takeover.pull(p, label))
+        await asyncio.sleep(1.5)  # (more than one round of asking)
+        held = not shard.owners[p].ready(float("inf"))  # no step meanwhile, whatever the quorum says
+        replication.kept[p] = kept
+        await pulling
+        return held
+
+    assert on_loop(owner, pull_with_late_holder()), "the owner stepped before its momentum arrived"
+    assert shard.momentum_source[p] == "pulled" and shard.owners[p].hold_until is None
+    assert torch.equal(shard.owners[p].momentum, kept[1].decode(shard.owners[p].numel))  # (in the run's codec)
+
+    # nobody has it: the owner asks for PULL_HOLD_S, then steps from zero, and says so
+    monkeypatch.setattr(takeover_mod, "PULL_HOLD_S", 2.5)
+    replication.kept.pop(p)
+    shard.owners[p].momentum = None
+    on_loop(owner, shard.takeover.pull(p, label))
+    assert shard.stats["momentum_pull_gave_up"] == 1 and shard.owners[p].hold_until is None
+
+
+@pytest.mark.timeout(120)
+def test_an_owner_serves_the_momentum_of_its_version_and_keeps_it_as_a_replica_when_it_hands_p_over(fleet):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from diloco.coordinator.wire import parse_momentum
+    from diloco.protocol.codecs import get_codec
+
+    _, owner, holder, p = owner_and_replica(fleet)
+    shard = owner.learner.swarm.shard
+    label = owner.learner.swarm.store.label(p)
+
+    def ask(version) -> torch.Tensor | None:
+        try:
+            with urllib.request.urlopen(f"{owner.url}/v1/momentum/{p}?label={version}", timeout=5) as r:
+                meta, payload = parse_momentum(r.read())
+        except urllib.error.HTTPError as e:
+            assert e.code == 404, e
+            return None
+        assert meta["codec"] == "fp32", json.dumps(meta)
+        return get_codec("fp32").decode(meta, payload)
+
+    assert p not in shard.replication.kept  # an owner keeps nothing as a replica of p: it answers from its own
+    momentum = on_loop(owner, _copy_on_loop(shard, p))
+    assert torch.equal(ask(label), momentum)
+    assert ask(type(label)(label.term, label.version + 7)) is None
+    # handing p over while still one of its replicas, it keeps the momentum as a replica would
+    me, other = owner.learner.swarm.identity.peer_id, holder.learner.swarm.identity.peer_id
+    on_loop(owner, _release(shard, p, [other, me]))
+    assert p not in shard.owners and shard.replication.kept[p][0] == label
+    assert torch.equal(shard.replication.kept[p][1].decode(momentum.numel()), momentum)
+    assert torch.equal(ask(label), momentum)
+
+
+async def _copy_on_loop(shard, p: int) -> torch.Tensor:
+    return shard.owners[p].momentum.clone()
+
+
+async def _release(shard, p: int, roles: list[str]) -> None:
+    shard._release(p, roles)
+
+
+@pytest.mark.timeout(120)
 def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_learner(fleet, monkeypatch):
     # the watch reads only the DHT here (which never hears of that version): the takeover must find it itself
     monkeypatch.setattr(swarm_mod, "DHT_WATCH_EVERY", 1)

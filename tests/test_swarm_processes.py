@@ -16,15 +16,15 @@ from .swarm_utils import get_status, wait_until
 
 
 class Fleet:
-    def __init__(self, tmp_path, **run_fields) -> None:
-        self.dir = tmp_path
+    def __init__(self, tmp_path, log_level: str = "warning", **run_fields) -> None:
+        self.dir, self.log_level = tmp_path, log_level
         fields = dict(task="markov", inner_steps=20, fragments=4, quorum=2)
         new_run(Identity.generate(), "proc-test", **{**fields, **run_fields}).save(tmp_path / "run.spec")
         self.procs: list[Proc] = []
         self.first_url: str | None = None
 
     def start(self, i: int, steps: int, *extra: str) -> Proc:
-        args = ["join", "--run", str(self.dir / "run.spec"), "--listen", "127.0.0.1:0", "--steps", str(steps),
+        args = ["--log-level", self.log_level, "join", "--run", str(self.dir / "run.spec"), "--listen", "127.0.0.1:0", "--steps", str(steps),
                 "--json", "--progress-every", "1", "--fast-membership", "--key", str(self.dir / f"key{i}.pem"),
                 "--checkpoint-dir", str(self.dir / f"ckpt{i}"), "--checkpoint-every", "20", *extra]
         if self.first_url:
@@ -46,8 +46,8 @@ class Fleet:
 def fleet(tmp_path):
     fleets: list[Fleet] = []
 
-    def make(**fields) -> Fleet:
-        f = Fleet(tmp_path, **fields)
+    def make(log_level: str = "warning", **fields) -> Fleet:
+        f = Fleet(tmp_path, log_level, **fields)
         fleets.append(f)
         return f
 
@@ -112,7 +112,7 @@ def test_kill_9_of_a_learner_never_pauses_the_others_and_it_rejoins(fleet):
 
 @pytest.mark.timeout(300)
 def test_kill_9_of_an_owner_hands_the_fragment_to_a_replica_under_a_higher_term(fleet):
-    f = fleet()
+    f = fleet(log_level="info")  # (the survivors' log of the fragment goes into a failure's message)
     procs = [f.start(i, 100000) for i in range(3)]
     urls = [p.events("joined")[0]["url"] for p in procs]
     wait_until(lambda: all(int(fr["version"].split(".")[1]) >= 3 for fr in get_status(urls[0])["fragments"]),
@@ -155,8 +155,14 @@ def test_kill_9_of_an_owner_hands_the_fragment_to_a_replica_under_a_higher_term(
     # The momentum comes along: kept from replication, handed over, pulled from a holder, or rebuilt from the
     # one replicated before and the kept update; never restarted from zero ("fresh"). A pull may take a moment.
     carried = ("replica", "handed over", "pulled", "rebuilt")
-    wait_until(lambda: get_status(owner_url)["fragments"][p]["momentum"] in carried, 15,
-               f"the new owner to carry the momentum of fragment {p} on (not 'fresh')")
+    try:
+        wait_until(lambda: get_status(owner_url)["fragments"][p]["momentum"] in carried, 15,
+                   f"the new owner to carry the momentum of fragment {p} on (not 'fresh')")
+    except AssertionError as e:
+        for i in seen:
+            procs[i].read_available()
+        logs = {i: [ln for ln in procs[i].lines if f"fragment {p}" in ln] for i in seen}
+        raise AssertionError(f"{e}; the survivors' log of fragment {p}: {logs}") from None
     del replica
     for i, versions in seen.items():
         assert versions == sorted(versions), f"learner {i} saw fragment {p} regress: {versions}"
