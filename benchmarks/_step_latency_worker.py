@@ -112,8 +112,9 @@ class Loop:
         self.timers = dict.fromkeys(self.timers, 0.0)
         if learner is not None:
             learner.step(tokens=1, loss=0.0)
-            versions = sum(v.version for v in learner.labels)
         t2 = time.monotonic()
+        if learner is not None:  # (the worker's bookkeeping: not part of the step's time)
+            versions = sum(v.version for v in learner.labels)
         tm = self.timers
         self.records.append((t0, t_work, t1 - target, t2 - t1, tm["apply"], tm["lock"], tm["flatten"], versions))
 
@@ -243,7 +244,8 @@ def main() -> None:
                 versions=[str(v) for v in labels], live=len(members.live()), owners=len(owners))
     loop.dump(records_path, lag_t=[t for t, _ in lags], lag=[x for _, x in lags])
     st = learner.status()
-    say(event="done", steps=loop.i, shard=st.get("shard"), sync=st.get("sync"))
+    say(event="done", steps=loop.i, shard=st.get("shard"), sync=st.get("sync"),
+        settled_at_once=learner.theta.settled_at_once)
     learner.swarm.stop(timeout=3)
 
 

@@ -16,8 +16,9 @@ stand-in for the accelerator's compute), then `learner.step()` (benchmarks/_step
 A step's time is the wall time of one whole iteration of that loop, from the start of one inner step to the
 start of the next: work + pacing sleep + `learner.step()` (50 ms plus however late the loop is). Its parts:
 `in_step` (the time inside `learner.step()`), of which `apply` (new versions added into the model, a slice per
-step: node/theta.py), `flatten` (copying a due fragment out of the model into a work buffer, also a slice per
-step) and `lock` (waiting for the fragment store's lock: `store.take_changes` and `store.begin_send`, before a
+step: node/theta.py), `flatten` (a due fragment copied out of the model into a work buffer: by the
+copier thread while training goes on, so in the step only the check that it is done and the hand-over of the
+snapshot to the loop) and `lock` (waiting for the fragment store's lock: `store.take_changes` and `store.begin_send`, before a
 delta goes out); `late` (how far past its 50 ms mark the loop
 woke from its sleep: CPU contention, or work that overran the pace). `loop_lag` is measured apart, every 20 ms:
 how long a callback scheduled on the swarm's event loop from another thread waits before it runs (anything
@@ -329,7 +330,8 @@ def run(tmp: Path, n_steps: int, swarm_cap_s: float, episodes: int, stop_s: floa
             w.send("stop")
         done = {w.name: w.event("done", timeout=60) for w in workers}
         for name, ev in done.items():
-            log(f"{name}: {ev['steps']} steps; shard {ev['shard']}; sync {ev['sync']}")
+            log(f"{name}: {ev['steps']} steps; shard {ev['shard']}; sync {ev['sync']}; due fragments whose "
+                f"moves were applied at once after waiting {ev['settled_at_once']}")
         recs = {"learner A": Records(tmp / "a.json"), "learner B": Records(tmp / "b.json")}
     finally:
         for w in workers:

@@ -8,12 +8,16 @@ adding them into the model (tens of milliseconds), and sending a fragment means 
 - a summer thread decodes each fragment's moves and sums them into one fp32 buffer, off the training thread;
 - the training thread adds those sums into θ a slice at a time, for at most a share of a step's time per step
   (at least one slice, so it always gets on);
-- a fragment due to be sent is copied out of θ the same way, a slice per step, while its own moves wait; once
-  copied, the snapshot goes out (`submit`).
+- a fragment due to be sent is copied out of θ by a copier thread while training goes on (`copy_in_background`;
+  or, without it, a slice per step like the moves), and its own moves wait meanwhile; once copied, the snapshot
+  goes out (`submit`, at the next step boundary).
 
 Both are exact element by element. Every move reaches every element of θ once. A snapshot element copied k
 steps after another is still θ_i at the moment it was copied, so Δ_i = Θ_base,i − θ_i holds, and the progress
-made after that moment stays in θ for the next delta. A due fragment with moves still waiting is copied once
+made after that moment stays in θ for the next delta. That holds as well for a copy made while the training
+loop writes θ: each fp32 element is read whole, before or after a write, never half of each, and nothing but
+the user's optimizer writes θ[p] until the copy is done (θ[p]'s moves wait; a fragment downloaded whole
+meanwhile cancels the copy, which starts over). Only writes must stay at step boundaries. A due fragment with moves still waiting is copied once
 they are applied (they go first); after `MAX_DEFER` steps, whatever it waits for is done at once: a bounded
 stall rather than a delta built on a stale base, which its owner would refuse.
 """
@@ -35,9 +39,9 @@ from diloco.coordinator.version import Version
 
 from .swarm import SwarmFailed
 
-SLICE = 1 << 20  # elements per slice: about 1 ms to add or copy on one core
+SLICE = 1 << 18  # elements per slice: about 0.3 ms to add or copy on one core (1 ms under load)
 MAX_DEFER = 8  # steps a due fragment may wait for its own moves before they are applied at once
-BUDGET_SHARE = 0.06  # of the step time, spent per step on θ's side of the rebase rule
+BUDGET_SHARE = 0.03  # of the step time, spent per step on θ's side of the rebase rule
 MIN_BUDGET_S = 0.001
 MAX_SKIPS = 4  # steps in a row that may leave the store's changes for later while its lock is busy
 
@@ -68,9 +72,13 @@ class _Batch:
 
 @dataclass
 class _Snapshot:
+    p: int
     buf: Tensor
     base: Version
     done: int = 0  # elements copied
+    copier: bool = False  # copied by the copier thread (the rest is guarded by `_cond` then)
+    complete: bool = False  # the copier has copied all of it
+    cancelled: bool = False  # θ[p] was replaced meanwhile: the copier gives `buf` back when done
 
 
 class Theta:
@@ -78,11 +86,12 @@ class Theta:
 
     `submit(p, snapshot, base)` receives each finished snapshot (a `pool` buffer, the caller's from then on);
     `replaced(p)` is told of each fragment installed whole (θ[p] overwritten: its local progress is gone).
-    `background=False` does everything inline at once (the synchronous baseline, whose steps wait anyway)."""
+    `background=False` does everything inline at once (the synchronous baseline, whose steps wait anyway);
+    `copy_in_background=False` copies due fragments a slice per step instead of on the copier thread."""
 
     def __init__(self, store: FragmentStore, plan: FragmentPlan, params: Mapping[str, Tensor], pool: BufferPool,
                  submit: Callable[[int, Tensor, Version], None], replaced: Callable[[int], None], *,
-                 background: bool = True, on_write: OnWrite | None = None) -> None:
+                 background: bool = True, copy_in_background: bool = True, on_write: OnWrite | None = None) -> None:
         self.store, self.plan, self.params, self.pool = store, plan, params, pool
         self._submit, self._replaced = submit, replaced
         self._on_write = on_write or (lambda p, start, stop, values, add: None)
@@ -96,14 +105,20 @@ class Theta:
         self._epoch = [0] * P  # bumped when θ[p] is replaced: batches of an older epoch are moot
         self._queue: deque[_Batch] = deque()
         self._summing: _Batch | None = None
-        self._error: BaseException | None = None
+        self._error: tuple[str, BaseException] | None = None  # (what failed, why), from a helper thread
         self._skipped = 0  # steps in a row whose take found the store's lock busy
+        self.settled_at_once = 0  # due fragments whose moves were applied at once after MAX_DEFER steps
         self._closed = False
-        self._cond = threading.Condition()  # guards _sums, _epoch, _queue, _summing, _error, _closed
+        self._copies: deque[_Snapshot] = deque()  # for the copier thread
+        self._cond = threading.Condition()  # guards _sums, _epoch, _queue, _summing, _error, _closed, _copies
         self._thread: threading.Thread | None = None
+        self._copier: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._summer, name="diloco-theta", daemon=True)
             self._thread.start()
+            if copy_in_background:
+                self._copier = threading.Thread(target=self._copy_all, name="diloco-theta-copy", daemon=True)
+                self._copier.start()
 
     # -- the training thread ----------------------------------------------------------------------------------
 
@@ -141,8 +156,9 @@ class Theta:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        for thread in (self._thread, self._copier):
+            if thread is not None:
+                thread.join(timeout=5)
 
     def _take(self, also: Callable[[list[Held]], object] | None = None, wait: bool = True) -> object:
         """The store's changes for θ. `wait=False`: none this step if the store's lock is busy (the loop
@@ -181,7 +197,11 @@ class Theta:
             self._sums[p].clear()
         snap = self._snaps.pop(p, None)
         if snap is not None:
-            self.pool.give(snap.buf)
+            with self._cond:
+                in_flight = snap.copier and not snap.complete
+                snap.cancelled = True
+            if not in_flight:
+                self.pool.give(snap.buf)
             self._due.setdefault(p, 0)
 
     def _start_due(self, force: bool) -> None:
@@ -194,13 +214,31 @@ class Theta:
                 self._due[p] += 1
                 if not force and self._due[p] <= MAX_DEFER:
                     continue
+                if not force:
+                    self.settled_at_once += 1
                 self._settle(p)
             del self._due[p]
-            self._snaps[p] = _Snapshot(self.pool.take(self._numel[p]), self.base[p])
+            snap = self._snaps[p] = _Snapshot(p, self.pool.take(self._numel[p]), self.base[p])
+            if self._copier is not None:
+                snap.copier = True
+                with self._cond:
+                    self._copies.append(snap)
+                    self._cond.notify_all()
 
     def _copy(self, p: int, deadline: float | None, first: bool) -> bool:
-        """Copy slices of θ[p] into its snapshot until `deadline` (None: all); send it once complete."""
+        """Copy slices of θ[p] into its snapshot until `deadline` (None: all), or see whether the copier has
+        (`deadline` None: wait for it); send it once complete."""
         snap, n = self._snaps[p], self._numel[p]
+        if snap.copier:
+            with self._cond:
+                if deadline is None:
+                    self._cond.wait_for(lambda: snap.complete or self._error is not None)
+                complete = snap.complete
+            self._raise_error()
+            if complete:
+                del self._snaps[p]
+                self._submit(p, snap.buf, snap.base)
+            return first
         while snap.done < n and (first or deadline is None or time.perf_counter() < deadline):
             snap.done = self.plan.copy_range(p, self.params, snap.buf, snap.done, min(snap.done + SLICE, n))
             first = False
@@ -259,10 +297,36 @@ class Theta:
 
     def _raise_error(self) -> None:
         with self._cond:
-            error = self._error
-        if error is not None:
-            raise SwarmFailed(f"decoding a new version's moves failed ({type(error).__name__}: {error}); θ no "
-                              "longer follows the swarm; restart this learner") from error
+            failed = self._error
+        if failed is not None:
+            what, error = failed
+            raise SwarmFailed(f"{what} failed ({type(error).__name__}: {error}); θ no longer follows the swarm; "
+                              "restart this learner") from error
+
+    # -- the copier thread ------------------------------------------------------------------------------------
+
+    def _copy_all(self) -> None:
+        """Copy each queued snapshot out of θ, a slice at a time, while the training thread goes on."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._copies or self._closed)
+                if self._closed:
+                    return
+                snap = self._copies.popleft()
+            p, n, error = snap.p, self._numel[snap.p], None
+            try:
+                while snap.done < n and not snap.cancelled:
+                    snap.done = self.plan.copy_range(p, self.params, snap.buf, snap.done, min(snap.done + SLICE, n))
+            except Exception as e:  # noqa: BLE001 - reported to the training thread at its next step
+                error = e
+            with self._cond:
+                if error is not None:
+                    self._error = ("copying a due fragment out of the model", error)
+                elif snap.cancelled:
+                    self.pool.give(snap.buf)
+                else:
+                    snap.complete = True
+                self._cond.notify_all()
 
     # -- the summer thread ------------------------------------------------------------------------------------
 
@@ -288,7 +352,7 @@ class Theta:
             with self._cond:
                 self._summing = None
                 if error is not None:
-                    self._error = error
+                    self._error = ("decoding a new version's moves", error)
                 if target is not None:
                     target.busy = False
                     if target.dropped:

@@ -31,9 +31,10 @@ def one_slice_per_step(monkeypatch):
 
 
 class Rig:
-    """A model of two fragments (one 5×8 matrix each), its store, and a Theta that records what it sends."""
+    """A model of two fragments (one 5×8 matrix each), its store, and a Theta that records what it sends
+    (copying due fragments a slice per step unless `copy_in_background`)."""
 
-    def __init__(self, background: bool = True) -> None:
+    def __init__(self, background: bool = True, copy_in_background: bool = False) -> None:
         g = torch.Generator().manual_seed(0)
         self.params = {"a": torch.randn(5, 8, generator=g), "b": torch.randn(5, 8, generator=g)}
         self.plan = FragmentPlan.from_shapes([("a", (5, 8), False), ("b", (5, 8), False)], 2)
@@ -44,7 +45,7 @@ class Rig:
         self.replaced: list[int] = []
         self.theta = Theta(self.store, self.plan, self.params, self.pool,
                            lambda p, buf, base: self.sent.append((p, buf.clone(), base)), self.replaced.append,
-                           background=background)
+                           background=background, copy_in_background=copy_in_background)
 
     def theta_of(self, p: int) -> torch.Tensor:
         return self.plan.flatten(p, self.params)
@@ -230,3 +231,96 @@ def test_a_step_does_not_wait_while_the_loop_holds_the_store_lock(one_slice_per_
     assert done.is_set()
     rig.theta.flush()
     assert rig.theta.base[p] == Version(1, 1)
+
+
+class Gate:
+    """Holds the copier thread before each slice it copies until the test lets it (`let`), so that what the
+    training thread does between two slices is chosen, not raced."""
+
+    def __init__(self, rig: Rig) -> None:
+        self.allowed, self.copied = threading.Semaphore(0), threading.Semaphore(0)
+        copy_range = rig.plan.copy_range
+
+        def gated(*args, **kwargs):
+            if threading.current_thread().name == "diloco-theta-copy":
+                assert self.allowed.acquire(timeout=5), "the test did not let the copier on"
+                try:
+                    return copy_range(*args, **kwargs)
+                finally:
+                    self.copied.release()
+            return copy_range(*args, **kwargs)
+
+        rig.plan.copy_range = gated
+
+    def let(self, slices: int = 1) -> None:
+        for _ in range(slices):
+            self.allowed.release()
+            assert self.copied.acquire(timeout=5), "the copier did not copy its slice"
+
+
+def test_the_copier_copies_a_due_fragment_while_theta_moves_and_its_moves_wait_until_it_is_done(one_slice_per_step):
+    rig = Rig(copy_in_background=True)
+    gate = Gate(rig)
+    p = rig.p
+    anchor = rig.store.held[p].anchor.clone()
+    rig.theta.due(p)
+    rig.theta.step()  # the snapshot starts: the copier takes it
+    seen: list[torch.Tensor] = []
+    for k in range(5):
+        gate.let()  # slice k copied now, while the training thread is between two steps
+        seen.append(rig.theta_of(p).clone())
+        if k == 1:  # a version lands mid-copy: θ[p] must not move with it until the copy is done
+            rig.store.advance(p, GENESIS, Version(1, 1), torch.full((N,), 100.0), b"f", b"c")
+        with torch.no_grad():  # an inner step moves every element of θ
+            rig.params["a"].add_(0.01)
+        rig.theta.step()
+        if k < 4:
+            assert not rig.sent and (rig.theta_of(p) < 50).all(), "sent early, or a move reached θ mid-copy"
+    rig.theta.step()
+    assert len(rig.sent) == 1, "the complete snapshot goes out at the next step boundary"
+    sent_p, snapshot, base = rig.sent[0]
+    assert sent_p == p and base == GENESIS
+    for k in range(5):  # element i is θ_i as it was when the copier read it
+        assert torch.equal(snapshot[8 * k : 8 * (k + 1)], seen[k][8 * k : 8 * (k + 1)])
+    assert (anchor - snapshot).shape == (N,)
+    rig.summed()
+    rig.theta.flush()
+    assert (rig.theta_of(p) > 50).all(), "the waiting version reached θ once the copy was done"
+    rig.theta.close()
+
+
+def test_a_fragment_downloaded_whole_while_the_copier_copies_it_is_copied_again_and_no_buffer_is_lost(
+        one_slice_per_step):
+    rig = Rig(copy_in_background=True)
+    gate = Gate(rig)
+    p = rig.p
+    rig.theta.due(p)
+    rig.theta.step()
+    gate.let(2)
+    installed = torch.full((N,), 3.0)
+    rig.store.install(p, installed, Version(2, 5), b"cert")
+    rig.theta.step()  # θ[p] overwritten: the copy in flight is cancelled and the fragment is due again
+    assert rig.replaced == [p]
+    gate.let(1 + 5)  # the cancelled copy stops after the slice it was waiting to copy; then the new one runs
+    rig.theta.flush()  # waits for the copier
+    assert len(rig.sent) == 1
+    _, snapshot, base = rig.sent[0]
+    assert base == Version(2, 5) and torch.equal(snapshot, installed)
+    lent = [ref for ref, _ in rig.pool._lent.values() if ref() is not None]
+    assert len(lent) == 1, f"{len(lent)} buffers still lent: only the snapshot sent should be"
+    rig.theta.close()
+
+
+def test_a_copy_that_fails_is_reported_at_the_next_step():
+    rig = Rig(copy_in_background=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    rig.plan.copy_range = broken
+    rig.theta.due(rig.p)
+    rig.theta.step()
+    with pytest.raises(SwarmFailed, match="copying a due fragment out of the model failed .*device lost"):
+        rig.theta.flush()
+    rig.theta.close()
+
