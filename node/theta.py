@@ -219,7 +219,7 @@ class Theta:
                 self._settle(p)
             del self._due[p]
             snap = self._snaps[p] = _Snapshot(p, self.pool.take(self._numel[p]), self.base[p])
-            if self._copier is not None:
+            if self._copier is not None and self._numel[p] > SLICE:  # (one slice: copied now, sent at once)
                 snap.copier = True
                 with self._cond:
                     self._copies.append(snap)

@@ -311,7 +311,7 @@ def test_a_fragment_downloaded_whole_while_the_copier_copies_it_is_copied_again_
     rig.theta.close()
 
 
-def test_a_copy_that_fails_is_reported_at_the_next_step():
+def test_a_copy_that_fails_is_reported_at_the_next_step(one_slice_per_step):
     rig = Rig(copy_in_background=True)
 
     def broken(*args, **kwargs):
