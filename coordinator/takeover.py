@@ -145,9 +145,7 @@ class Takeover:
         owner = self.owners.get(p)
         if owner is None:
             return
-        loop = asyncio.get_running_loop()
-        until = loop.time() + PULL_HOLD_S
-        owner.hold_until = owner.clock() + PULL_HOLD_S
+        until = owner.hold_until = owner.clock() + PULL_HOLD_S
         try:
             while True:
                 for m in self.members.servers():
@@ -161,7 +159,7 @@ class Takeover:
                         self.momentum_source[p] = "pulled"
                         self.stats["momentum_pulled_after_takeover"] += 1
                     return
-                if loop.time() + PULL_RETRY_S >= until:
+                if owner.clock() + PULL_RETRY_S >= until:
                     break
                 await asyncio.sleep(PULL_RETRY_S)
             if self.owners.get(p) is owner and owner.momentum is None:

@@ -8,18 +8,18 @@ adding them into the model (tens of milliseconds), and sending a fragment means 
 - a summer thread decodes each fragment's moves and sums them into one fp32 buffer, off the training thread;
 - the training thread adds those sums into θ a slice at a time, for at most a share of a step's time per step
   (at least one slice, so it always gets on);
-- a fragment due to be sent is copied out of θ by a copier thread while training goes on (`copy_in_background`;
-  or, without it, a slice per step like the moves), and its own moves wait meanwhile; once copied, the snapshot
-  goes out (`submit`, at the next step boundary).
+- a fragment due to be sent is copied out of θ while its own moves wait: one of a single slice at once, at its
+  step; a larger one by a copier thread while training goes on (or, without `copy_in_background`, a slice per
+  step like the moves). Once copied, the snapshot goes out (`submit`; the copier's at the next step boundary).
 
 Both are exact element by element. Every move reaches every element of θ once. A snapshot element copied k
 steps after another is still θ_i at the moment it was copied, so Δ_i = Θ_base,i − θ_i holds, and the progress
 made after that moment stays in θ for the next delta. That holds as well for a copy made while the training
 loop writes θ: each fp32 element is read whole, before or after a write, never half of each, and nothing but
 the user's optimizer writes θ[p] until the copy is done (θ[p]'s moves wait; a fragment downloaded whole
-meanwhile cancels the copy, which starts over). Only writes must stay at step boundaries. A due fragment with moves still waiting is copied once
-they are applied (they go first); after `MAX_DEFER` steps, whatever it waits for is done at once: a bounded
-stall rather than a delta built on a stale base, which its owner would refuse.
+meanwhile cancels the copy, which starts over). Only writes must stay at step boundaries. A due fragment with
+moves still waiting is copied once they are applied (they go first); after `MAX_DEFER` steps, whatever it waits
+for is done at once: a bounded stall rather than a delta built on a stale base, which its owner would refuse.
 """
 
 from __future__ import annotations
