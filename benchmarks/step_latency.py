@@ -17,8 +17,8 @@ A step's time is the wall time of one whole iteration of that loop, from the sta
 start of the next: work + pacing sleep + `learner.step()` (50 ms plus however late the loop is). Its parts:
 `in_step` (the time inside `learner.step()`), of which `apply` (new versions added into the model, a slice per
 step: node/theta.py), `flatten` (a due fragment copied out of the model into a work buffer: by the
-copier thread while training goes on, so in the step only the check that it is done and the hand-over of the
-snapshot to the loop) and `lock` (waiting for the fragment store's lock: `store.take_changes` and `store.begin_send`, before a
+copier thread while training goes on, which also hands the snapshot to the loop; in the step only a fragment
+of at most one slice is copied) and `lock` (waiting for the fragment store's lock: `store.take_changes` and `store.begin_send`, before a
 delta goes out); `late` (how far past its 50 ms mark the loop
 woke from its sleep: CPU contention, or work that overran the pace). `loop_lag` is measured apart, every 20 ms:
 how long a callback scheduled on the swarm's event loop from another thread waits before it runs (anything

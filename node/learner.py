@@ -152,8 +152,10 @@ class Learner:
         self.offsets = [(p * H) // P for p in range(P)]
         self.t = 0
         self.tokens = 0
-        self.c_steps = [0] * P
+        self.c_steps = [0] * P  # per fragment, the inner steps (and tokens) since its last delta
         self.c_tokens = [0] * P
+        self._counts = threading.Lock()  # guards c_steps, c_tokens, sent_steps, overwritten_steps (the copier
+        # thread sends its snapshots: `_submit`)
         self.sent_steps = 0  # Σ over fragments of the inner steps handed to owners inside deltas
         self.overwritten_steps = 0  # Σ over fragments of local steps discarded by a whole-fragment download
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
@@ -291,9 +293,10 @@ class Learner:
         now = time.monotonic()
         self.t += 1
         self.tokens += tokens
-        for p in range(self.spec.fragments):
-            self.c_steps[p] += 1
-            self.c_tokens[p] += tokens
+        with self._counts:
+            for p in range(self.spec.fragments):
+                self.c_steps[p] += 1
+                self.c_tokens[p] += tokens
         for p in due_at(self.t, self.offsets, self.spec.inner_steps):
             if self.spec.synchronous:
                 self._wait_merged([p])
@@ -333,20 +336,24 @@ class Learner:
         return self.theta.base if self.theta is not None else []
 
     def _submit(self, p: int, snapshot: torch.Tensor, base: Version) -> None:
-        """A due fragment's snapshot is complete: its delta goes out with the steps made since the last one."""
-        if self.c_steps[p] == 0:  # θ[p] was overwritten since it was due: nothing of ours to send
+        """A due fragment's snapshot is complete: its delta goes out with the steps made since the last one
+        (called on the training thread, or on Theta's copier thread)."""
+        with self._counts:
+            steps, tokens = self.c_steps[p], self.c_tokens[p]
+            self.c_steps[p] = self.c_tokens[p] = 0
+            self.sent_steps += steps
+        if steps == 0:  # θ[p] was overwritten since it was due: nothing of ours to send
             self.swarm.pool.give(snapshot)
             return
         if self.spec.synchronous:  # what `_wait_merged` waits for
             self.swarm.store.begin_send(p)
-        self.swarm.submit_delta(p, snapshot, base, self.c_steps[p], self.c_tokens[p])
-        self.sent_steps += self.c_steps[p]
-        self.c_steps[p] = self.c_tokens[p] = 0
+        self.swarm.submit_delta(p, snapshot, base, steps, tokens)
 
     def _overwritten(self, p: int) -> None:
         """θ[p] was replaced by a whole download: the local steps it held are gone."""
-        self.overwritten_steps += self.c_steps[p]
-        self.c_steps[p] = self.c_tokens[p] = 0
+        with self._counts:
+            self.overwritten_steps += self.c_steps[p]
+            self.c_steps[p] = self.c_tokens[p] = 0
 
     # -- checkpoints ----------------------------------------------------------------------------------------
 

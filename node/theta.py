@@ -10,7 +10,8 @@ adding them into the model (tens of milliseconds), and sending a fragment means 
   (at least one slice, so it always gets on);
 - a fragment due to be sent is copied out of θ while its own moves wait: one of a single slice at once, at its
   step; a larger one by a copier thread while training goes on (or, without `copy_in_background`, a slice per
-  step like the moves). Once copied, the snapshot goes out (`submit`; the copier's at the next step boundary).
+  step like the moves). Once copied, the snapshot goes out (`submit`), by the copier itself for its own, so
+  that a loop which stops stepping for a while (an evaluation) does not hold its delta back.
 
 Both are exact element by element. Every move reaches every element of θ once. A snapshot element copied k
 steps after another is still θ_i at the moment it was copied, so Δ_i = Θ_base,i − θ_i holds, and the progress
@@ -84,7 +85,8 @@ class _Snapshot:
 class Theta:
     """Applies new versions to θ and copies due fragments out of it, a bounded slice of work per step.
 
-    `submit(p, snapshot, base)` receives each finished snapshot (a `pool` buffer, the caller's from then on);
+    `submit(p, snapshot, base)` receives each finished snapshot (a `pool` buffer, the caller's from then on),
+    on the training thread, or on the copier thread for the copier's (so it must be thread-safe);
     `replaced(p)` is told of each fragment installed whole (θ[p] overwritten: its local progress is gone).
     `background=False` does everything inline at once (the synchronous baseline, whose steps wait anyway);
     `copy_in_background=False` copies due fragments a slice per step instead of on the copier thread."""
@@ -100,7 +102,7 @@ class Theta:
         self.step_time_s = 0.0  # the caller's step time, for the budget
         self._numel = [f.numel for f in plan.fragments]
         self._due: dict[int, int] = {}  # p -> steps it has been due
-        self._snaps: dict[int, _Snapshot] = {}
+        self._snaps: dict[int, _Snapshot] = {}  # written under `_cond` (the copier removes its own when sent)
         self._sums: list[deque[_Sum]] = [deque() for _ in range(P)]
         self._epoch = [0] * P  # bumped when θ[p] is replaced: batches of an older epoch are moot
         self._queue: deque[_Batch] = deque()
@@ -165,6 +167,7 @@ class Theta:
         writes an anchor under it, tens of milliseconds at 100M parameters), unless that was already so at
         the last `MAX_SKIPS` steps."""
         def copy(p: int, anchor: Tensor) -> None:
+            self._cancel_snapshot(p)  # before θ[p] is overwritten: the copier must not send a torn copy
             self.plan.unflatten_into(p, anchor, self.params)
             self._on_write(p, 0, self._numel[p], anchor, False)
 
@@ -195,14 +198,18 @@ class Theta:
                 else:
                     self.pool.give(s.buf)
             self._sums[p].clear()
-        snap = self._snaps.pop(p, None)
-        if snap is not None:
-            with self._cond:
-                in_flight = snap.copier and not snap.complete
-                snap.cancelled = True
-            if not in_flight:
+        self._cancel_snapshot(p)
+
+    def _cancel_snapshot(self, p: int) -> None:
+        """θ[p] is being overwritten: a snapshot of it not yet sent is moot, and the fragment is due again."""
+        with self._cond:
+            snap = self._snaps.pop(p, None)
+            if snap is None:
+                return
+            snap.cancelled = True
+            if not snap.copier:  # (the copier gives its buffer back itself)
                 self.pool.give(snap.buf)
-            self._due.setdefault(p, 0)
+        self._due.setdefault(p, 0)
 
     def _start_due(self, force: bool) -> None:
         for p in sorted(self._due, key=self._due.get, reverse=True):
@@ -218,32 +225,32 @@ class Theta:
                     self.settled_at_once += 1
                 self._settle(p)
             del self._due[p]
-            snap = self._snaps[p] = _Snapshot(p, self.pool.take(self._numel[p]), self.base[p])
-            if self._copier is not None and self._numel[p] > SLICE:  # (one slice: copied now, sent at once)
-                snap.copier = True
-                with self._cond:
+            snap = _Snapshot(p, self.pool.take(self._numel[p]), self.base[p])
+            snap.copier = self._copier is not None and self._numel[p] > SLICE  # (one slice: copied now, sent at once)
+            with self._cond:
+                self._snaps[p] = snap
+                if snap.copier:
                     self._copies.append(snap)
                     self._cond.notify_all()
 
     def _copy(self, p: int, deadline: float | None, first: bool) -> bool:
-        """Copy slices of θ[p] into its snapshot until `deadline` (None: all), or see whether the copier has
-        (`deadline` None: wait for it); send it once complete."""
-        snap, n = self._snaps[p], self._numel[p]
+        """Copy slices of θ[p] into its snapshot until `deadline` (None: all) and send it once complete; one
+        the copier copies is left to it (`deadline` None: waited for until the copier has sent it)."""
+        snap, n = self._snaps.get(p), self._numel[p]
+        if snap is None:  # (the copier has just sent it)
+            return first
         if snap.copier:
-            with self._cond:
-                if deadline is None:
-                    self._cond.wait_for(lambda: snap.complete or self._error is not None)
-                complete = snap.complete
-            self._raise_error()
-            if complete:
-                del self._snaps[p]
-                self._submit(p, snap.buf, snap.base)
+            if deadline is None:
+                with self._cond:
+                    self._cond.wait_for(lambda: snap.complete or snap.cancelled or self._error is not None)
+                self._raise_error()
             return first
         while snap.done < n and (first or deadline is None or time.perf_counter() < deadline):
             snap.done = self.plan.copy_range(p, self.params, snap.buf, snap.done, min(snap.done + SLICE, n))
             first = False
         if snap.done >= n:
-            del self._snaps[p]
+            with self._cond:
+                del self._snaps[p]
             self._submit(p, snap.buf, snap.base)
         return first
 
@@ -319,13 +326,18 @@ class Theta:
                     snap.done = self.plan.copy_range(p, self.params, snap.buf, snap.done, min(snap.done + SLICE, n))
             except Exception as e:  # noqa: BLE001 - reported to the training thread at its next step
                 error = e
-            with self._cond:
+            with self._cond:  # (held while it is sent, so that `_cancel_snapshot` cannot interleave)
                 if error is not None:
                     self._error = ("copying a due fragment out of the model", error)
                 elif snap.cancelled:
                     self.pool.give(snap.buf)
                 else:
+                    del self._snaps[p]
                     snap.complete = True
+                    try:
+                        self._submit(p, snap.buf, snap.base)
+                    except Exception as e:  # noqa: BLE001 - reported to the training thread at its next step
+                        self._error = ("sending a due fragment's snapshot", e)
                 self._cond.notify_all()
 
     # -- the summer thread ------------------------------------------------------------------------------------

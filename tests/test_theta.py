@@ -47,6 +47,13 @@ class Rig:
                            lambda p, buf, base: self.sent.append((p, buf.clone(), base)), self.replaced.append,
                            background=background, copy_in_background=copy_in_background)
 
+    def wait_sent(self, n: int) -> None:
+        """Wait until `n` snapshots have gone out (the copier sends its own, on its thread)."""
+        deadline = time.monotonic() + 5
+        while len(self.sent) < n:
+            assert time.monotonic() < deadline, f"{len(self.sent)} snapshots sent, not {n}"
+            time.sleep(0.005)
+
     def theta_of(self, p: int) -> torch.Tensor:
         return self.plan.flatten(p, self.params)
 
@@ -273,11 +280,12 @@ def test_the_copier_copies_a_due_fragment_while_theta_moves_and_its_moves_wait_u
             rig.store.advance(p, GENESIS, Version(1, 1), torch.full((N,), 100.0), b"f", b"c")
         with torch.no_grad():  # an inner step moves every element of θ
             rig.params["a"].add_(0.01)
-        rig.theta.step()
         if k < 4:
+            rig.theta.step()
             assert not rig.sent and (rig.theta_of(p) < 50).all(), "sent early, or a move reached θ mid-copy"
+    rig.wait_sent(1)  # the copier sends it itself: no step boundary needed
     rig.theta.step()
-    assert len(rig.sent) == 1, "the complete snapshot goes out at the next step boundary"
+    assert len(rig.sent) == 1
     sent_p, snapshot, base = rig.sent[0]
     assert sent_p == p and base == GENESIS
     for k in range(5):  # element i is θ_i as it was when the copier read it
@@ -286,6 +294,24 @@ def test_the_copier_copies_a_due_fragment_while_theta_moves_and_its_moves_wait_u
     rig.summed()
     rig.theta.flush()
     assert (rig.theta_of(p) > 50).all(), "the waiting version reached θ once the copy was done"
+    rig.theta.close()
+
+
+def test_the_copier_sends_a_snapshot_it_has_copied_while_the_training_loop_does_not_step(one_slice_per_step):
+    """A loop that stops stepping after a fragment fell due (an evaluation, a data loader that stalls) must not
+    hold that delta back: the copier sends the snapshot as soon as it is complete."""
+    rig = Rig(copy_in_background=True)
+    p = rig.p
+    expected = rig.theta_of(p).clone()
+    rig.theta.due(p)
+    rig.theta.step()  # the copier takes it; no step follows
+    rig.wait_sent(1)
+    sent_p, snapshot, base = rig.sent[0]
+    assert sent_p == p and base == GENESIS and torch.equal(snapshot, expected)
+    with rig.theta._cond:
+        assert p not in rig.theta._snaps, "a sent snapshot is no longer the training thread's to send"
+    rig.theta.step()
+    assert len(rig.sent) == 1, "sent once, not again at the next step"
     rig.theta.close()
 
 
@@ -308,6 +334,37 @@ def test_a_fragment_downloaded_whole_while_the_copier_copies_it_is_copied_again_
     assert base == Version(2, 5) and torch.equal(snapshot, installed)
     lent = [ref for ref, _ in rig.pool._lent.values() if ref() is not None]
     assert len(lent) == 1, f"{len(lent)} buffers still lent: only the snapshot sent should be"
+    rig.theta.close()
+
+
+def test_a_copy_that_a_whole_download_overwrites_midway_is_never_sent(one_slice_per_step):
+    """The copier's last slice runs while θ[p] is being overwritten by a download: that snapshot holds old and
+    new values (torn); it must be dropped, and the fragment copied afresh."""
+    rig = Rig(copy_in_background=True)
+    gate = Gate(rig)
+    p = rig.p
+    rig.theta.due(p)
+    rig.theta.step()
+    gate.let(4)
+    installed = torch.full((N,), 3.0)
+    rig.store.install(p, installed, Version(2, 5), b"cert")
+    unflatten = rig.plan.unflatten_into
+
+    def overwrite_then_copy_the_last_slice(q, anchor, params):
+        unflatten(q, anchor, params)
+        gate.let()  # slice 4 is copied from the new values, slices 0-3 were the old ones
+        time.sleep(0.1)  # (room for the copier to send it, were it to)
+
+    rig.plan.unflatten_into = overwrite_then_copy_the_last_slice
+    rig.theta.step()
+    rig.plan.unflatten_into = unflatten
+    assert not rig.sent, "a torn snapshot went out"
+    assert rig.replaced == [p]
+    rig.theta.step()  # due again: a fresh copy
+    gate.let(5)
+    rig.wait_sent(1)
+    _, snapshot, base = rig.sent[0]
+    assert base == Version(2, 5) and torch.equal(snapshot, installed)
     rig.theta.close()
 
 
