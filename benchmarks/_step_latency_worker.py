@@ -20,12 +20,14 @@ live members this learner sees (itself included) and how many distinct owners it
 
 One inner step: a little real work (a precomputed noise chunk is added to a rotating 1/16 of every parameter
 matrix, as an optimizer step would move them: ~6M floats, a few ms), then a sleep until PACE_S after the step's
-start, then `learner.step()`. Each record is (start, work, late, in_step, apply, lock, flatten, versions): seconds
+start, then `learner.step()`. Each record is (start, work, late, in_step, apply, lock, flatten, runq, versions): seconds
 from the step's start to the end of the work, how late the loop came out of its sleep (past the pace; > 0 also
 when the work overran it), the time inside `learner.step()`, the parts of it spent adding new versions into
 the model (`Theta._apply`, and `Theta._settle` when a due fragment's moves are applied at once) and copying due
 fragments out of it (`Theta._copy`; node/theta.py: the costly things `step` does), `lock`: in
-`store.take_changes` and `store.begin_send`, i.e. waiting for the fragment store's lock, and the sum of the
+`store.take_changes` and `store.begin_send`, i.e. waiting for the fragment store's lock, `runq`: how long the
+training thread waited for a CPU (runnable, not running: the kernel's schedstat) from the end of the work to
+the end of `learner.step()`, i.e. while waking from the sleep and inside the step, and the sum of the
 fragments' versions after the step.
 
 Environment (set by step_latency.py): STEP_LATENCY_NUMEL (parameters, default 100M), STEP_LATENCY_H (the RunSpec's
@@ -72,6 +74,12 @@ class StandIn(torch.nn.Module):
                 p.data.mul_(0.02)
 
 
+def run_delay_s() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (Linux schedstat), since it started."""
+    with open("/proc/thread-self/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
 def say(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -104,6 +112,7 @@ class Loop:
         self.work()
         t_work = time.monotonic() - t0
         target = t0 + PACE_S
+        q0 = run_delay_s()
         now = time.monotonic()
         if now < target:
             time.sleep(target - now)
@@ -113,13 +122,15 @@ class Loop:
         if learner is not None:
             learner.step(tokens=1, loss=0.0)
         t2 = time.monotonic()
+        runq = run_delay_s() - q0
         if learner is not None:  # (the worker's bookkeeping: not part of the step's time)
             versions = sum(v.version for v in learner.labels)
         tm = self.timers
-        self.records.append((t0, t_work, t1 - target, t2 - t1, tm["apply"], tm["lock"], tm["flatten"], versions))
+        self.records.append((t0, t_work, t1 - target, t2 - t1, tm["apply"], tm["lock"], tm["flatten"], runq,
+                             versions))
 
     def dump(self, path: str, **extra: list[float]) -> None:
-        keys = ("start", "work", "late", "in_step", "apply", "lock", "flatten", "versions")
+        keys = ("start", "work", "late", "in_step", "apply", "lock", "flatten", "runq", "versions")
         with open(path, "w") as f:
             json.dump({**{k: [r[i] for r in self.records] for i, k in enumerate(keys)}, **extra}, f)
 

@@ -44,7 +44,12 @@ Keys of the last stdout line (steps in ms; percentiles pooled over the measured 
   ratio               swarm_p99_ms / standalone_p99_ms
   (targets: ratio <= 1.10, max_stall_ms <= 2 x standalone_p99_ms)
   *_p50_ms, *_steps   the medians and the step counts of each phase
-  swarm_{in_step,apply,lock,flatten,late}_p99_ms  the parts of phase 2's steps
+  swarm_{in_step,apply,lock,flatten,late,runq}_p99_ms  the parts of phase 2's steps (runq: the training thread
+                      waiting for a CPU, from its sleep's end to the end of learner.step(); standalone_runq_p99_ms
+                      the same in phase 1)
+  swarm_slowest_1pct_runq_share  of the slowest 1% of phase 2's steps, the share of their excess over the
+                      standalone median that the training thread spent waiting for a CPU (both cores taken by
+                      other threads: the kernel's scheduling on this 2-core machine, not work of the step)
   slow_owner_in_step_max_ms, slow_owner_late_max_ms  the parts of the longest step of phase 3
   swarm_rounds, slow_owner_rounds  outer rounds completed at the measured learners during the phase (fragment
                       versions gained / 8, mean over learners): how much the swarm really did meanwhile
@@ -349,7 +354,7 @@ def run(tmp: Path, n_steps: int, swarm_cap_s: float, episodes: int, stop_s: floa
     parts_of = {}
     for phase, (rs, ix) in phases.items():
         parts = {attr: pooled(rs, ix, attr)
-                 for attr in ("period", "in_step", "apply", "lock", "flatten", "late", "work")}
+                 for attr in ("period", "in_step", "apply", "lock", "flatten", "late", "work", "runq")}
         parts_of[phase] = parts
         describe(phase, parts)
         out[f"{phase}_p99_ms"] = ms(parts["period"], 99)
@@ -358,8 +363,14 @@ def run(tmp: Path, n_steps: int, swarm_cap_s: float, episodes: int, stop_s: floa
     sw, so = parts_of["swarm"], parts_of["slow_owner"]
     out["max_stall_ms"] = float(max(sw["period"].max(), so["period"].max()) * 1000)
     out["ratio"] = out["swarm_p99_ms"] / out["standalone_p99_ms"]
-    for attr in ("in_step", "apply", "lock", "flatten", "late"):
+    for attr in ("in_step", "apply", "lock", "flatten", "late", "runq"):
         out[f"swarm_{attr}_p99_ms"] = ms(sw[attr], 99)
+    out["standalone_runq_p99_ms"] = ms(parts_of["standalone"]["runq"], 99)
+    # the slowest 1% of phase 2's steps (those that set its p99): how much of their excess over the standalone
+    # median was the training thread waiting for a CPU
+    slow = np.argsort(sw["period"])[-max(1, len(sw["period"]) // 100):]
+    excess = float(np.sum(sw["period"][slow] - out["standalone_p50_ms"] / 1000))
+    out["swarm_slowest_1pct_runq_share"] = float(np.sum(sw["runq"][slow]) / excess) if excess > 0 else 0.0
     worst = int(np.argmax(so["period"]))
     out["slow_owner_in_step_max_ms"] = float(so["in_step"][worst] * 1000)
     out["slow_owner_late_max_ms"] = float(so["late"][worst] * 1000)
@@ -407,7 +418,8 @@ def run(tmp: Path, n_steps: int, swarm_cap_s: float, episodes: int, stop_s: floa
                 top = i[np.argsort(r.period[i])[-3:]][::-1]
                 log(f"  {phase} {name}: longest steps " + ", ".join(
                     f"{r.period[j] * 1000:.0f} ms (in_step {r.in_step[j] * 1000:.0f}, apply {r.apply[j] * 1000:.0f},"
-                    f" lock {r.lock[j] * 1000:.0f}, flatten {r.flatten[j] * 1000:.0f}, late {r.late[j] * 1000:.0f}) at "
+                    f" lock {r.lock[j] * 1000:.0f}, flatten {r.flatten[j] * 1000:.0f}, late {r.late[j] * 1000:.0f},"
+                    f" runq {r.runq[j] * 1000:.0f}) at "
                     f"+{r.start[j] - r.start[i[0]]:.2f}s" for j in top))
     return out
 
