@@ -315,16 +315,23 @@ def test_the_copier_sends_a_snapshot_it_has_copied_while_the_training_loop_does_
     rig.theta.close()
 
 
-def test_a_fragment_downloaded_whole_while_the_copier_copies_it_is_copied_again_and_no_buffer_is_lost(
-        one_slice_per_step):
+def download_while_copying(slices: int) -> tuple[Rig, Gate, torch.Tensor]:
+    """A due fragment whose copier has copied `slices` slices when a whole download of it lands in the store
+    (not yet taken by the training thread)."""
     rig = Rig(copy_in_background=True)
     gate = Gate(rig)
-    p = rig.p
-    rig.theta.due(p)
+    rig.theta.due(rig.p)
     rig.theta.step()
-    gate.let(2)
+    gate.let(slices)
     installed = torch.full((N,), 3.0)
-    rig.store.install(p, installed, Version(2, 5), b"cert")
+    rig.store.install(rig.p, installed, Version(2, 5), b"cert")
+    return rig, gate, installed
+
+
+def test_a_fragment_downloaded_whole_while_the_copier_copies_it_is_copied_again_and_no_buffer_is_lost(
+        one_slice_per_step):
+    rig, gate, installed = download_while_copying(2)
+    p = rig.p
     rig.theta.step()  # θ[p] overwritten: the copy in flight is cancelled and the fragment is due again
     assert rig.replaced == [p]
     gate.let(1 + 5)  # the cancelled copy stops after the slice it was waiting to copy; then the new one runs
@@ -340,14 +347,8 @@ def test_a_fragment_downloaded_whole_while_the_copier_copies_it_is_copied_again_
 def test_a_copy_that_a_whole_download_overwrites_midway_is_never_sent(one_slice_per_step):
     """The copier's last slice runs while θ[p] is being overwritten by a download: that snapshot holds old and
     new values (torn); it must be dropped, and the fragment copied afresh."""
-    rig = Rig(copy_in_background=True)
-    gate = Gate(rig)
+    rig, gate, installed = download_while_copying(4)
     p = rig.p
-    rig.theta.due(p)
-    rig.theta.step()
-    gate.let(4)
-    installed = torch.full((N,), 3.0)
-    rig.store.install(p, installed, Version(2, 5), b"cert")
     unflatten = rig.plan.unflatten_into
 
     def overwrite_then_copy_the_last_slice(q, anchor, params):
