@@ -188,7 +188,8 @@ class Theta:
         return changes.also
 
     def _reset(self, p: int) -> None:
-        """θ[p] was overwritten by a whole download: what waited for it is moot; a due snapshot starts over."""
+        """θ[p] was overwritten by a whole download: the moves that waited for it are moot (its snapshot was
+        cancelled before the overwrite, in `_take`)."""
         with self._cond:
             self._epoch[p] += 1
             self._queue = deque(b for b in self._queue if b.p != p)
@@ -198,7 +199,6 @@ class Theta:
                 else:
                     self.pool.give(s.buf)
             self._sums[p].clear()
-        self._cancel_snapshot(p)
 
     def _cancel_snapshot(self, p: int) -> None:
         """θ[p] is being overwritten: a snapshot of it not yet sent is moot, and the fragment is due again."""
