@@ -73,6 +73,7 @@ class Replication:
         self.identity, self.spec, self.store, self.members, self.client = identity, spec, store, membership, client
         self.sync, self.codec, self.pool, self.stats = sync, codec, pool, stats
         self.kept: dict[int, tuple[Version, Encoded | None]] = {}  # p -> replicated (version, momentum)
+        self.restored: dict[int, Version] = {}  # p -> the version whose kept momentum came from a checkpoint
         self.terms_seen = [0] * len(store)  # p -> the highest term an owner replicated to us
         self._alone_since: float | None = None  # when the owner last found no other live member (`_alone`)
         # (p, version, momentum) of a full replication: a hand-over that may arrive after we took p over
@@ -91,6 +92,14 @@ class Replication:
         an fp32 copy, unless what is kept already is of a newer version."""
         if p not in self.kept or self.kept[p][0] <= label:
             self.kept[p] = (label, fp32_copy(momentum))
+            self.restored.pop(p, None)
+
+    def restore(self, p: int, label: Version, momentum: Encoded) -> None:
+        """Keep the momentum of version `label` that this peer's checkpoint saved (a restart of every member
+        leaves no other copy), as a replica would, unless what is kept already is of a newer version."""
+        if p not in self.kept or self.kept[p][0] < label:
+            self.kept[p] = (label, momentum)
+            self.restored[p] = label
 
     # -- owner side -----------------------------------------------------------------------------------------
 
@@ -210,6 +219,7 @@ class Replication:
                                await asyncio.to_thread(join_bytes, rest[4 * numel :]))
             momentum.decode(numel)  # the fp32 codec refuses non-finite values
         self.kept[f.p] = (f.label, momentum)
+        self.restored.pop(f.p, None)
         self.stats["replications_received"] += 1
         if f.full and momentum is not None:
             self.on_handover(f.p, f.label, momentum)

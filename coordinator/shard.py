@@ -30,7 +30,7 @@ from .membership import Membership
 from .outer import OuterOptimizer
 from .owner import FragmentOwner, OwnerSettings, PendingDelta, Publication
 from .plan import FragmentPlan
-from .replication import Replication
+from .replication import Replication, fp32_copy
 from .runspec import RunSpec
 from .sync import STATEFUL_POST_FLOOR_S, FragmentSync
 from .takeover import Takeover, next_term
@@ -158,6 +158,15 @@ class Shard:
     def momentum_source(self) -> dict[int, str]:
         """p -> where the momentum of an owned fragment came from (`Takeover`)."""
         return self.takeover.momentum_source
+
+    def momenta(self) -> dict[int, tuple[Version, Encoded]]:
+        """p -> the momentum this peer holds of a version of fragment p (as owner, copied now, or as replica),
+        for a checkpoint: a restart of every member at once leaves no other copy. On the loop thread."""
+        held = {p: kept for p, kept in self.replication.kept.items() if kept[1] is not None}
+        for p, owner in self.owners.items():
+            if owner.momentum is not None and owner.label != GENESIS:
+                held[p] = (owner.label, fp32_copy(owner.momentum))
+        return held
 
     async def _reach_newest(self, taken: list[int]) -> None:
         try:

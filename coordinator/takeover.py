@@ -2,7 +2,8 @@
 (docs/architecture.md §6.6).
 
 A new owner publishes under a term above every term it has seen (`next_term`). Its momentum comes, in this
-order of preference, from what the replica kept of the current version ("replica"), from the one kept of an
+order of preference, from what the replica kept of the current version ("replica", or "checkpoint" when that
+copy is the one this peer's checkpoint saved before a restart), from the one kept of an
 older version and the kept updates since ("rebuilt"), from a late hand-over of the old owner ("handed
 over"), or from another member that holds it ("pulled"); "fresh" only when none of them exists. Before its
 first step it compares its version with every live member's and reaches the highest one: a killed owner may
@@ -80,8 +81,10 @@ class Takeover:
         label, numel = self.store.label(p), self.store.numel(p)
         kept = self.replication.take(p)
         momentum, source = None, "fresh"
+        restored = self.replication.restored.pop(p, None)
         if kept is not None and kept[0] == label:
-            momentum, source = (kept[1].decode(numel), "replica") if kept[1] else (None, "fresh")
+            source = "checkpoint" if restored == label else "replica"
+            momentum, source = (kept[1].decode(numel), source) if kept[1] else (None, "fresh")
         elif kept is not None and self.outer.momentum != 0:  # the replication of the newest version failed
             momentum = self.rebuild(p, kept[0], kept[1].decode(numel) if kept[1] else None)
             source = "rebuilt" if momentum is not None else "fresh"

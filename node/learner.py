@@ -36,6 +36,7 @@ from diloco.coordinator.version import GENESIS, Version
 from diloco.protocol.codecs import load_kernels
 from diloco.protocol.identity import Identity
 
+from . import saved_momenta
 from .checkpoint import capture, load_latest, restore, save_checkpoint
 from .journal import Journal, open_journal
 from .swarm import JoinError, Swarm, SwarmConfig, SwarmFailed
@@ -191,7 +192,10 @@ class Learner:
             self._restored = dict(ckpt.counters)
             self.tokens = int(self._restored.get("tokens", 0))
             self.config = dataclasses.replace(self.config, known_peers=_urls(ckpt.meta.get("peers")))
+            momenta = saved_momenta.read_from(ckpt, self.spec.codec, [f.numel for f in self.plan.fragments])
             log.info("resumed from checkpoint at step %d", self.t)
+        else:
+            momenta = {}
         unset: list[int] = []
         if fresh and self.config.peers:  # joining: the fragments are downloaded straight into the anchors;
             # those nobody has a version of yet get our Θ^(0) once synced (`_fill_unset`)
@@ -207,7 +211,7 @@ class Learner:
         self._journal = open_journal(self.checkpoint_dir, self.spec, anchors, labels, certs, resumed=not fresh,
                                      into_theta=lambda p, anchor: self.plan.unflatten_into(p, anchor, self.params))
         self.swarm = Swarm(self.identity, self.spec, self.plan, anchors, self.config, labels, certs,
-                           adopt_anchors=True, unset=unset, journal=self._journal)
+                           adopt_anchors=True, unset=unset, journal=self._journal, momenta=momenta)
         self.swarm.store.merged_steps = int(self._restored.get("merged_steps", 0))
         self.swarm.store.merged_tokens = int(self._restored.get("merged_tokens", 0))
         self.theta = Theta(self.swarm.store, self.plan, self.params, self.swarm.pool, self._submit,
@@ -384,6 +388,8 @@ class Learner:
                        meta={"run_id": self.spec.run_id.hex(), "peer_id": self.identity.peer_id,
                              "wall_time": time.time(), "peers": self.swarm.known_urls()})
         def write() -> None:
+            # the momenta of the versions this peer holds now (their labels say which): read on the loop
+            saved_momenta.add_to(ckpt, self.swarm.held_momenta())
             save_checkpoint(self.checkpoint_dir, ckpt)
             if segment is not None:  # on disk now: the segments this checkpoint covers can go
                 self._journal.drop_before(segment)

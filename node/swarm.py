@@ -9,6 +9,7 @@ to it only through `submit_delta` and the `FragmentStore`, and never waits on th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -23,7 +24,7 @@ import torch
 from aiohttp import web
 
 from diloco.coordinator.buffers import BufferPool
-from diloco.coordinator.fragments import FragmentStore
+from diloco.coordinator.fragments import Encoded, FragmentStore
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.plan import FragmentPlan
 from diloco.coordinator.runspec import RunSpec
@@ -97,12 +98,14 @@ class Swarm:
     def __init__(self, identity: Identity, spec: RunSpec, plan: FragmentPlan, anchors: list[torch.Tensor],
                  config: SwarmConfig, labels: list[Version] | None = None, certs: list[bytes] | None = None,
                  *, adopt_anchors: bool = False, unset: list[int] | None = None,
-                 journal: Journal | None = None) -> None:
+                 journal: Journal | None = None, momenta: dict[int, tuple[Version, Encoded]] | None = None) -> None:
         """`adopt_anchors`: the anchors are fresh tensors the swarm may keep (no copy of the model is made).
         `unset`: anchors with no values yet (see `FragmentStore`); `after_sync` must fill those still unset.
-        `journal`: where every version the store moves to is recorded (`node/journal.py`); closed at `stop`."""
+        `journal`: where every version the store moves to is recorded (`node/journal.py`); closed at `stop`.
+        `momenta`: p -> (version, momentum) a checkpoint saved (`held_momenta`), kept as a replica would."""
         self.identity, self.spec, self.plan, self.config = identity, spec, plan, config
         self.journal = journal
+        self._restored_momenta = dict(momenta or {})
         self.store = FragmentStore(anchors, identity.peer_id, adopt=adopt_anchors, unset=unset or ())
         self.pool = BufferPool(max((f.numel for f in plan.fragments), default=0), keep=POOL_KEEP)
         for p, (label, cert) in enumerate(zip(labels or [], certs or [], strict=False)):
@@ -252,6 +255,8 @@ class Swarm:
         if self.server is not None:
             self.shard = Shard(self.identity, self.spec, self.plan, self.store, self.members, self.client,
                                self.server, self.sync, self.codec, self.pool)
+            for p, (label, momentum) in self._restored_momenta.items():
+                self.shard.replication.restore(p, label, momentum)
             self.server.add_route("GET", ROUTE_STATUS, self._serve_status)
             self.server.add_route("GET", ROUTE_REACH, self._serve_reach)
             try:
@@ -369,6 +374,23 @@ class Swarm:
         or that restarted into a swarm of their own, still finds the others. Any thread may call this."""
         seen = dict(self._seen_urls)  # (a copy: the loop updates it)
         return sorted(seen, key=seen.get, reverse=True)
+
+    def held_momenta(self, timeout_s: float = 5.0) -> dict[int, tuple[Version, Encoded]]:
+        """p -> (version, momentum) of what this peer holds as owner or replica (`Shard.momenta`), read on the
+        loop; {} when there is no shard, or the loop does not answer within `timeout_s` (it died, or is
+        stopping). For checkpoints: call from any thread but the loop's."""
+        loop, shard = self._loop, self.shard
+        if loop is None or shard is None or loop.is_closed() or not self.healthy:
+            return {}
+
+        async def read() -> dict[int, tuple[Version, Encoded]]:
+            return shard.momenta()
+
+        try:
+            return asyncio.run_coroutine_threadsafe(read(), loop).result(timeout_s)
+        except (RuntimeError, TimeoutError, concurrent.futures.CancelledError) as e:
+            log.info("checkpoint without momenta: the loop did not answer (%s)", type(e).__name__)
+            return {}
 
     async def _reconnect(self) -> None:
         """Ping the URLs of members seen before (and of `peers` and `known_peers`) that are not in our view

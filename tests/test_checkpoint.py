@@ -335,3 +335,36 @@ def test_checkpoint_files_are_private_to_their_owner(tmp_path):
         mode = stat.S_IMODE(p.stat().st_mode)
         assert mode & 0o077 == 0, (p, oct(mode))
         assert mode & 0o600 == 0o600
+
+
+def test_saved_momenta_come_back_exactly_and_one_that_does_not_fit_the_run_is_left_out(tmp_path, caplog):
+    from diloco.coordinator.fragments import Encoded
+    from diloco.coordinator.version import Version
+    from diloco.node import saved_momenta
+    from diloco.protocol.codecs import get_codec
+
+    def enc(name: str, t: torch.Tensor) -> Encoded:
+        codec = get_codec(name)
+        return Encoded(codec, *codec.encode(t))
+
+    good_fp32, good_int8 = torch.randn(300), torch.randn(300)
+    nan = torch.randn(300)
+    nan[7] = float("nan")
+    held = {0: (Version(65537, 4), enc("fp32", good_fp32)), 1: (Version(3, 9), enc("int8", good_int8)),
+            2: (Version(3, 9), Encoded(get_codec("fp32"), {"codec": "fp32", "shape": [300]},
+                                       nan.numpy().tobytes())),
+            3: (Version(3, 9), enc("int8", torch.randn(299))), 4: (Version(1, 1), enc("fp16", torch.randn(300)))}
+    ck = Checkpoint(step=5, params={}, optimizer={"state": {}, "param_groups": []})
+    saved_momenta.add_to(ck, held)
+    save_checkpoint(tmp_path, ck)
+    loaded = load_checkpoint(tmp_path / "step-5")
+    with caplog.at_level(logging.WARNING, logger="diloco.node.saved_momenta"):
+        back = saved_momenta.read_from(loaded, "int8", [300] * 5)
+    assert set(back) == {0, 1}
+    assert back[0][0] == Version(65537, 4) and torch.equal(back[0][1].decode(300), good_fp32)
+    assert back[1][0] == Version(3, 9)
+    assert torch.equal(back[1][1].decode(300), held[1][1].decode(300))  # the int8 bytes as they were kept
+    left_out = {r.getMessage().split(":")[0] for r in caplog.records}
+    assert left_out == {f"checkpoint momentum of fragment {p} left out" for p in (2, 3, 4)}
+    # a checkpoint of another run shape (fewer fragments) keeps only what fits
+    assert set(saved_momenta.read_from(loaded, "int8", [300])) == {0}

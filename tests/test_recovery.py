@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.version import Version
@@ -288,3 +289,59 @@ def test_a_joiner_that_finds_nobody_to_download_from_waits_before_publishing_alo
         assert any(v.version for v in joiner.labels), "alone for a member TTL, it publishes"
     finally:
         dht.kill()
+
+
+@pytest.mark.timeout(120)
+def test_after_every_learner_stopped_the_owners_take_their_momentum_from_the_checkpoints(tmp_path, nodes):
+    """A and B train, checkpoint and are both killed: no live copy of any fragment's outer momentum is left but
+    the checkpoints'. Restarted, every owner has the momentum of its version at once (no pull that nobody can
+    answer, no momentum started from zero): the very one held before where the owner saved it itself."""
+    genesis = tiny_run(quorum=2)
+    keys = [Identity.generate() for _ in range(2)]
+    a = Node(genesis, 0, tmp_path / "a", keys[0]).start()
+    b = Node(genesis, 1, tmp_path / "b", keys[1], peers=[a.url]).start()
+    nodes += [a, b]
+    wait_until(lambda: all(len(n.learner.swarm.members.live()) == 2 for n in (a, b)), 20, "2 live members")
+    for _ in range(3):
+        for n in (a, b):
+            n.train(10)
+    seen: dict = {"state": None, "since": 0.0}
+
+    def settled() -> bool:
+        """The same versions at both, every owner committed to its fragment's, all unchanged for a second."""
+        now = (a.labels, b.labels, {p: o.label for n in (a, b) for p, o in n.learner.swarm.shard.owners.items()
+                                    if o.momentum is not None})
+        if now != seen["state"]:
+            seen["state"], seen["since"] = now, time.monotonic()
+        return now[0] == now[1] == [now[2].get(p) for p in range(4)] and all(v.version >= 2 for v in now[0]) \
+            and time.monotonic() - seen["since"] >= 1.0
+
+    wait_until(settled, 30, "the same committed versions at both, for a second")
+    owned = {p: n for n in (a, b) for p in n.learner.swarm.shard.owners}
+    held = {p: (o.label, o.momentum.clone()) for n in (a, b) for p, o in n.learner.swarm.shard.owners.items()}
+    assert len(held) == 4 and all(m.abs().sum() > 0 for _, m in held.values())
+    labels = [n.checkpoint() for n in (a, b)]
+    assert labels[0] == labels[1]
+    a.kill()
+    b.kill()
+    a2 = Node(genesis, 0, tmp_path / "a", keys[0]).start()
+    b2 = Node(genesis, 1, tmp_path / "b", keys[1], peers=[a2.url]).start()
+    nodes += [a2, b2]
+    restarted = {a: a2, b: b2}
+
+    def owners() -> dict:
+        return {p: (n, o) for n in (a2, b2) for p, o in n.learner.swarm.shard.owners.items()}
+
+    wait_until(lambda: len(owners()) == 4 and all(o.momentum is not None for _, o in owners().values())
+               and all(len(n.learner.swarm.members.live()) == 2 for n in (a2, b2)), 20,
+               "an owner with its momentum for every fragment")
+    for p, (n, o) in owners().items():
+        source = n.learner.swarm.shard.momentum_source[p]
+        label, before = held[p]
+        assert o.label == label and source != "fresh", (p, source)
+        if n is restarted[owned[p]] and source == "checkpoint":
+            assert torch.equal(o.momentum, before), "the owner's own saved momentum came back changed"
+        else:  # one a replica kept (int8) and saved, handed over or pulled
+            assert torch.allclose(o.momentum, before, atol=float(before.abs().max()) / 50), (p, source)
+    assert any(src == "checkpoint" for n in (a2, b2) for src in n.learner.swarm.shard.momentum_source.values())
+    assert all(n.learner.swarm.shard.stats["momentum_pull_gave_up"] == 0 for n in (a2, b2))
