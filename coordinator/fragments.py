@@ -122,6 +122,10 @@ class FragmentStore:
     def numel(self, p: int) -> int:
         return self.held[p].anchor.numel()
 
+    def max_numel(self) -> int:
+        """The largest fragment's element count (0 for an empty store): what a message's size is bounded by."""
+        return max((h.anchor.numel() for h in self.held), default=0)
+
     def advance(
         self, p: int, base: Version, new: Version, update: Tensor, frame: bytes, cert: bytes,
         contributors: tuple[str, ...] | list[str] = (), move: Move | None = None,

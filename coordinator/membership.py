@@ -98,6 +98,20 @@ class Membership:
         joiner still downloading must not own a fragment it does not have yet)."""
         return owners(self.spec.run_id, p, [m for m in self.live() if m.record.synced], self.spec.replicas)
 
+    def may_own(self, p: int, peer_id: str) -> bool:
+        """`peer_id` is p's owner or a replica among every member whose record has not expired, suspects and
+        joiners still downloading included: the roles as another peer may see them a poll interval earlier or
+        later (who may publish in p: coordinator/authority.py)."""
+        now = time.time()
+        known = [m for m in self.members.values() if m.expiration > now and m.peer_id != self.peer_id]
+        known.append(Member(self.peer_id, self.own_record(), now + self.ttl_s))
+        return peer_id in owners(self.spec.run_id, p, known, self.spec.replicas)
+
+    def is_live(self, peer_id: str) -> bool:
+        """`peer_id` has a record that has not expired (suspected or not)."""
+        m = self.members.get(peer_id)
+        return peer_id == self.peer_id or (m is not None and m.expiration > time.time())
+
     def failed(self, peer_id: str, error: Exception) -> None:
         """A request to `peer_id` failed. A refused or reset connection (a dead process) makes it a suspect at
         once; a slow answer does not (on a loaded machine a live peer can miss a deadline, and suspecting it

@@ -23,9 +23,10 @@ from aiohttp import web
 from diloco.protocol.codecs import Codec, get_codec
 from diloco.protocol.envelope import Envelope, EnvelopeVerifier, join_bytes, seal
 from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
-from diloco.protocol.identity import Identity
+from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
+from .authority import Unauthorized, check_replication
 from .buffers import BufferPool
 from .fragments import DigestMismatch, Encoded, FragmentStore, anchor_digest
 from .membership import Membership
@@ -40,6 +41,7 @@ from .wire import (
     UpdateFields,
     pack_momentum,
     path_fragment,
+    replicate_payload_max,
 )
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,8 @@ class Replication:
         self.on_handover: Callable[[int, Version, Encoded], None] = lambda p, label, momentum: None
         # the momentum this peer's owner of p holds at a version (`Takeover.served`), when nothing is kept
         self.served_by_owner: Callable[[int, Version], Encoded | None] = lambda p, label: None
-        server.add_envelope_route(ROUTE_REPLICATE, verifier, self._on_replicate, kinds={REPLICATE})
+        server.add_envelope_route(ROUTE_REPLICATE, verifier, self._on_replicate, kinds={REPLICATE},
+                                  max_payload=replicate_payload_max(codec, store.max_numel()))
         server.add_route("GET", ROUTE_MOMENTUM, self._serve_momentum)
 
     def take(self, p: int) -> tuple[Version, Encoded | None] | None:
@@ -188,14 +191,21 @@ class Replication:
 
     async def _on_replicate(self, env: Envelope, request: web.Request) -> bytes:
         f = ReplicateFields.parse(env.fields, len(self.store))
+        try:
+            check_replication(f.p, f.term, f.label, f.full, peer_id_of(env.sender), self.members.may_own)
+        except Unauthorized:
+            self.stats["replications_unauthorized"] += 1
+            raise
         payload = memoryview(env.payload)
         numel = self.store.numel(f.p)
         self.terms_seen[f.p] = max(self.terms_seen[f.p], f.term)
         head, rest = payload[: f.update_len], payload[f.update_len :]
         if not f.full:
             update = self.sync.verifier.open(head, fresh=False)  # (views, not copies: see `join_bytes`)
+            if update.sender != env.sender:
+                raise Unauthorized("a replication carries its sender's own update")
             try:
-                await self.sync.apply_update(update, verify=True)
+                await self.sync.apply_update(update, verify=True, pushed=True)
             except (StaleVersion, DigestMismatch) as e:
                 raise StaleVersion(f"replica cannot apply this update ({e}); send the full state") from None
             momentum = Encoded(self.codec, f.momentum, await asyncio.to_thread(join_bytes, rest)) if f.momentum else None
@@ -207,6 +217,7 @@ class Replication:
                 raise Malformed(f"full replication of fragment {f.p} must carry {8 * numel} bytes of state")
             cert = self.sync.verifier.certificate(bytes(head))
             uf = UpdateFields.parse(cert.fields, len(self.store))
+            self.sync.authorize(uf, cert.sender, pushed=False)
             anchor = torch.frombuffer(rest[: 4 * numel], dtype=torch.float32)
             if uf.p != f.p or uf.new != f.label or await asyncio.to_thread(anchor_digest, anchor) != uf.digest:
                 raise Malformed("full replication does not match its certificate")

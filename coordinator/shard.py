@@ -24,6 +24,7 @@ from diloco.protocol.errors import ProtocolError, Unavailable
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
+from .authority import next_term
 from .buffers import BufferPool
 from .fragments import Encoded, FragmentStore, anchor_digest
 from .membership import Membership
@@ -33,7 +34,7 @@ from .plan import FragmentPlan
 from .replication import Replication, fp32_copy
 from .runspec import RunSpec
 from .sync import STATEFUL_POST_FLOOR_S, FragmentSync
-from .takeover import Takeover, next_term
+from .takeover import Takeover
 from .version import GENESIS, Version
 from .wire import (
     DELTA,
@@ -45,6 +46,7 @@ from .wire import (
     FragRecord,
     UpdateFields,
     frag_key,
+    tensor_payload_max,
 )
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,8 @@ class Shard:
         self._probing: set[str] = set()
         self.enabled = False  # becomes True once the membership view has been read at least once
         self._live_seen: set[str] = set()  # the live learners at the last `reassign`
-        server.add_envelope_route(ROUTE_DELTA, self.verifier, self._on_delta, kinds={DELTA})
+        server.add_envelope_route(ROUTE_DELTA, self.verifier, self._on_delta, kinds={DELTA},
+                                  max_payload=tensor_payload_max(self.codec, store.max_numel()))
         self.replication = Replication(identity, spec, store, membership, client, server, sync, self.codec,
                                        self.pool, self.verifier, self.stats)
         self.takeover = Takeover(store, membership, client, sync, self.replication, self.codec, self.outer,

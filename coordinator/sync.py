@@ -26,6 +26,7 @@ from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
+from .authority import Unauthorized, check_update
 from .buffers import BufferPool
 from .fragments import KEEP_UPDATES, DigestMismatch, Encoded, FragmentStore, Move, anchor_digest
 from .membership import Membership
@@ -49,6 +50,7 @@ from .wire import (
     pack_versions,
     parse_versions,
     path_fragment,
+    tensor_payload_max,
     updates_body_max,
     versions_body_max,
 )
@@ -86,7 +88,7 @@ class FragmentSync:
         pool: BufferPool | None = None,
     ) -> None:
         self.identity, self.spec, self.store, self.members, self.client = identity, spec, store, membership, client
-        self.pool = pool or BufferPool(max((store.numel(p) for p in range(len(store))), default=0))
+        self.pool = pool or BufferPool(store.max_numel())
         self.codec = codec
         self.P = len(store)
         self.verifier = EnvelopeVerifier(spec.run_id, is_member=spec.is_member, kinds={UPDATE})
@@ -100,21 +102,35 @@ class FragmentSync:
         self.on_local_delta: Callable[[Envelope], None] | None = None
         self.journal: VersionJournal | None = None  # set by the learner when it keeps checkpoints
         if server is not None:
-            server.add_envelope_route(ROUTE_UPDATE, self.verifier, self._on_update, kinds={UPDATE}, fresh=False)
+            server.add_envelope_route(ROUTE_UPDATE, self.verifier, self._on_update, kinds={UPDATE}, fresh=False,
+                                      max_payload=tensor_payload_max(codec, store.max_numel()))
             server.add_route("GET", ROUTE_FRAGMENT, self._serve_fragment)
             server.add_route("GET", ROUTE_UPDATES, self._serve_updates)
             server.add_route("GET", ROUTE_VERSIONS, self._serve_versions)
 
     # -- receiving ------------------------------------------------------------------------------------------
 
-    async def apply_update(self, env: Envelope, verify: bool | None = None) -> bool:
-        """Apply a verified update envelope; True if it moved the anchor. Raises `StaleVersion` when the
-        update is for a base we do not hold (the caller fetches the gap) and `DigestMismatch` on divergence.
+    def authorize(self, f: UpdateFields, signer_key: bytes, pushed: bool) -> None:
+        """May the peer that signed this update (or certificate) publish it? Raises `Unauthorized` (403), and
+        counts it (coordinator/authority.py)."""
+        try:
+            check_update(f.p, f.base, f.new, peer_id_of(signer_key), self.members.may_own, self.members.is_live,
+                         pushed)
+        except Unauthorized:
+            self.stats["updates_unauthorized"] += 1
+            raise
+
+    async def apply_update(self, env: Envelope, verify: bool | None = None, pushed: bool = False) -> bool:
+        """Apply a verified update envelope; True if it moved the anchor. Raises `Unauthorized` when its
+        signer may not publish it (`pushed`: sent by its publisher, not fetched from a holder), `StaleVersion`
+        when the update is for a base we do not hold (the caller fetches the gap) and `DigestMismatch` on
+        divergence.
 
         A checked update (every DIGEST_EVERY-th version, or `verify`) is added to a copy of the anchor and
         hashed in a worker thread, outside the store's lock and off the event loop; the result is committed
         only if the anchor was not written meanwhile."""
         f = UpdateFields.parse(env.fields, self.P)
+        self.authorize(f, env.sender, pushed)
         held = self.store.label(f.p)
         if not f.new > held:
             self.stats["updates_already_held"] += 1
@@ -148,7 +164,7 @@ class FragmentSync:
 
     async def _on_update(self, env: Envelope, request: web.Request) -> bytes:
         try:
-            await self.apply_update(env)
+            await self.apply_update(env, pushed=True)
         except (StaleVersion, DigestMismatch) as e:
             f = UpdateFields.parse(env.fields, self.P)
             self.stats["updates_out_of_order"] += 1
@@ -229,6 +245,8 @@ class FragmentSync:
                         return True
                 except DigestMismatch:
                     self.stats["diverged_repairs"] += 1  # our copy is not the owner's: take it whole
+                except Unauthorized:
+                    pass  # a takeover in the gap by a member that may not own p now: the newest version whole
                 if await self.fetch_fragment(p, url, repair=True) and reached():
                     return True
             except (TransportError, ProtocolError) as e:
@@ -277,9 +295,11 @@ class FragmentSync:
                 self.store.end_download(p)
 
     async def _check_and_install(self, p: int, reader: FragmentReader, repair: bool) -> bool:
-        f = UpdateFields.parse(self.verifier.certificate(reader.cert).fields, self.P)
+        cert = self.verifier.certificate(reader.cert)
+        f = UpdateFields.parse(cert.fields, self.P)
         if f.p != p:
             raise Malformed(f"fragment download does not match fragment {p}")
+        self.authorize(f, cert.sender, pushed=False)
         # SHA-256 releases the GIL: in a thread, downloads of several fragments hash in parallel, and the
         # event loop keeps receiving meanwhile
         if await asyncio.to_thread(anchor_digest, reader.anchor) != f.digest:

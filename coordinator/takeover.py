@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import logging
 from collections.abc import Callable, Mapping
 
@@ -26,6 +25,7 @@ from diloco.protocol.codecs import Codec, get_codec
 from diloco.protocol.errors import Malformed, ProtocolError
 from diloco.protocol.transport import PeerClient, RemoteError, TransportError
 
+from .authority import TERM_BLOCKS_AHEAD, TERM_SLOTS, next_term
 from .fragments import Encoded, FragmentStore
 from .membership import Membership
 from .outer import OuterOptimizer
@@ -36,17 +36,8 @@ from .version import Version
 from .wire import UpdateFields, momentum_body_max, parse_momentum
 
 log = logging.getLogger(__name__)
-TERM_SLOTS = 1 << 16
 PULL_HOLD_S = 10.0  # how long a new owner without its momentum holds its first step back to pull it
 PULL_RETRY_S = 1.0  # between two rounds of asking every live member
-
-
-def next_term(seen: int, peer_id: str) -> int:
-    """A term above every term seen, in a slot of its own for this peer: two peers that take a fragment at the
-    same moment (their views of the member set differ for a poll interval) publish under different terms, so
-    the higher one wins everywhere instead of two different fragments carrying one label."""
-    slot = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:2], "big") % TERM_SLOTS
-    return (seen // TERM_SLOTS + 1) * TERM_SLOTS + slot
 
 
 class Takeover:
@@ -74,7 +65,9 @@ class Takeover:
 
     def term(self, p: int) -> int:
         """The term a new owner of p publishes under: above its label's and every term replicated to it."""
-        return next_term(max(self.store.label(p).term, self.replication.terms_seen[p]), self.members.peer_id)
+        label = self.store.label(p).term  # (a term seen in replication was checked against the label's: §6.7)
+        seen = min(self.replication.terms_seen[p], (label // TERM_SLOTS + TERM_BLOCKS_AHEAD - 1) * TERM_SLOTS)
+        return next_term(max(label, seen), self.members.peer_id)
 
     def momentum(self, p: int) -> torch.Tensor | None:
         """The momentum of p's current version for a new owner, from what replication kept (None: fresh)."""

@@ -1,7 +1,7 @@
 """Fragment versions: (term, version), ordered lexicographically, that never regress (docs/architecture.md §2, §6.5).
 
 `version` counts outer steps of a fragment; `term` grows with every ownership takeover. A peer that takes a
-fragment over publishes under a term above every term it has seen (`takeover.next_term`: the next block of 2^16,
+fragment over publishes under a term above every term it has seen (`authority.next_term`: the next block of 2^16,
 at an offset of its own, so two peers never pick the same term), and after a partition heals the higher term
 wins whatever the version counts. Pure values: no network, no clocks.
 """

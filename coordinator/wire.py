@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from diloco.protocol import canonical
+from diloco.protocol.codecs import Codec
 from diloco.protocol.envelope import MAX_HEADER_BYTES, SIGNATURE_BYTES, join_bytes, register_kind
 from diloco.protocol.errors import Malformed
 
@@ -201,6 +202,18 @@ def updates_body_max(codec_bytes: int, frames: int) -> int:
     return 8 + frames * (8 + frame)
 
 
+def tensor_payload_max(codec: Codec, numel: int) -> int:
+    """The largest payload of a `delta` or an `update` of a fragment of `numel` elements: its codec bytes."""
+    return codec.encoded_size(numel)
+
+
+def replicate_payload_max(codec: Codec, numel: int) -> int:
+    """The largest `replicate` payload for such a fragment: an update frame and the momentum in the run's
+    codec, or (the full form) a certificate and the fp32 anchor and momentum."""
+    frame = 4 + MAX_HEADER_BYTES + SIGNATURE_BYTES + codec.encoded_size(numel)
+    return max(frame + codec.encoded_size(numel), MAX_CERT + 8 * numel)
+
+
 def fragment_body_max(numel: int) -> int:
     """The longest body GET /v1/fragment/{p} may answer for a fragment of `numel` elements."""
     return 4 + MAX_CERT + 4 * numel
@@ -315,3 +328,21 @@ def members_key(run_id: bytes) -> str:
 
 def frag_key(run_id: bytes, p: int) -> str:
     return f"run:{run_id.hex()}:frag:{p}"
+
+
+# -- the reachability probe (node/reach.py) -----------------------------------------------------------------
+
+REACH = "reach"
+ROUTE_REACH = "/v1/reach"
+register_kind(REACH, 0)  # fields only
+MAX_URL = 256
+
+
+def reach_url(fields: dict[str, Any]) -> str:
+    """The `url` of a `reach` request: `http(s)://host:port`, at most MAX_URL characters; raises `Malformed`."""
+    _exact(fields, {"url"}, REACH)
+    url = fields["url"]
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > MAX_URL \
+            or "?" in url or "#" in url:
+        raise Malformed("url must be http(s)://host:port")
+    return url.rstrip("/")

@@ -200,7 +200,7 @@ class ReplayCache:
 
 
 class EnvelopeVerifier:
-    """Checks, in order: shape, size, run, time, signature, membership, replay; then the payload digest.
+    """Checks, in order: shape, kind, size, run, time, membership, signature, replay; then the payload digest.
 
     `is_member(pubkey)` decides membership (None admits every key: an `open` run).
     """
@@ -222,19 +222,23 @@ class EnvelopeVerifier:
         self.replay = replay or ReplayCache()
         self.kinds = frozenset(kinds) if kinds is not None else None
 
-    def check_header(self, header: bytes, signature: bytes, *, fresh: bool = True) -> dict[str, Any]:
+    def check_header(self, header: bytes, signature: bytes, *, fresh: bool = True,
+                     kinds: frozenset[str] | None = None, max_payload: int | None = None) -> dict[str, Any]:
         """Verify everything but the payload; reserves the nonce (release it if the payload fails).
 
         `fresh=False` verifies a relayed record (an update served long after it was signed, a version
         certificate): shape, kind, size, run, signature and membership, but not its age nor replays. Use it
-        only for messages whose effect is idempotent.
+        only for messages whose effect is idempotent. `kinds` and `max_payload`: a route's own kinds and
+        payload limit (from the run's plan), on top of the verifier's.
         """
         h = parse_header(header)
         kind = h["kind"]
-        if self.kinds is not None and kind not in self.kinds:
-            raise Malformed(f"message kind {kind!r} is not accepted here")
-        if h["payload_len"] > payload_limit(kind):
-            raise TooLarge(f"{kind} payload of {h['payload_len']} bytes exceeds the limit of {payload_limit(kind)}")
+        for allowed in (self.kinds, kinds):
+            if allowed is not None and kind not in allowed:
+                raise Malformed(f"message kind {kind!r} is not accepted here")
+        limit = payload_limit(kind) if max_payload is None else min(max_payload, payload_limit(kind))
+        if h["payload_len"] > limit:
+            raise TooLarge(f"{kind} payload of {h['payload_len']} bytes exceeds the limit of {limit}")
         if h["run_id"] != self.run_id:
             raise WrongRun(
                 f"message is for run {h['run_id'].hex()[:16]}…, this peer is in run {self.run_id.hex()[:16]}…"
@@ -246,9 +250,10 @@ class EnvelopeVerifier:
                 f"message timestamp is {skew:+.0f}s from this peer's clock (limit ±{self.max_skew_s:.0f}s); "
                 "check the clocks (NTP)"
             )
-        verify(h["sender"], signature, DOMAIN + header)
+        # (membership before the signature: a stranger's key costs a set lookup, not an Ed25519 verification)
         if self.is_member is not None and not self.is_member(h["sender"]):
             raise NotMember(f"peer {peer_id_of(h['sender'])} is not a member of this run")
+        verify(h["sender"], signature, DOMAIN + header)
         h["fresh"] = fresh
         if fresh:
             self.replay.reserve(h["sender"] + h["nonce"], h["timestamp_ms"] / 1000 + self.max_skew_s, now)
@@ -282,22 +287,26 @@ class EnvelopeVerifier:
         return _envelope(h, bytes(header), bytes(signature), rest)
 
     async def read(
-        self, chunks: AsyncIterator[bytes], *, content_length: int | None = None, fresh: bool = True
+        self, chunks: AsyncIterator[bytes], *, content_length: int | None = None, fresh: bool = True,
+        kinds: frozenset[str] | None = None, max_payload: int | None = None,
     ) -> Envelope:
         """Verify a frame arriving as an async stream of chunks (e.g. aiohttp's `content.iter_any()`).
 
-        The size is checked before anything is read when `content_length` is known; the header is verified
-        before any payload byte is buffered; the digest is updated chunk by chunk.
+        The size is checked before anything is read when `content_length` is known; the header (kind and
+        size included: `kinds`, `max_payload` as in `check_header`) is verified before any payload byte is
+        buffered; the digest is updated chunk by chunk.
         """
-        if content_length is not None and content_length > max_frame_size():
-            raise TooLarge(f"message of {content_length} bytes exceeds the largest allowed ({max_frame_size()})")
+        largest = max_frame_size() if max_payload is None else min(
+            max_frame_size(), _PREFIX.size + MAX_HEADER_BYTES + SIGNATURE_BYTES + max_payload)
+        if content_length is not None and content_length > largest:
+            raise TooLarge(f"message of {content_length} bytes exceeds the largest allowed here ({largest})")
         reader = _ChunkReader(chunks)
         (hlen,) = _PREFIX.unpack(await reader.read_exactly(_PREFIX.size, "length prefix"))
         if hlen > MAX_HEADER_BYTES:
             raise TooLarge(f"header of {hlen} bytes exceeds {MAX_HEADER_BYTES}")
         header = await reader.read_exactly(hlen, "header")
         signature = await reader.read_exactly(SIGNATURE_BYTES, "signature")
-        h = self.check_header(header, signature, fresh=fresh)
+        h = self.check_header(header, signature, fresh=fresh, kinds=kinds, max_payload=max_payload)
         try:
             n = h["payload_len"]
             if content_length is not None and content_length != _PREFIX.size + hlen + SIGNATURE_BYTES + n:

@@ -103,19 +103,21 @@ class PeerServer:
         *,
         kinds: Iterable[str] | None = None,
         fresh: bool = True,
+        max_payload: int | None = None,
     ) -> None:
         """POST route whose body is one envelope, verified (signature, run, replay, digest) before `handler`.
 
         `fresh=False` accepts relayed envelopes of any age (no replay window): only for idempotent messages.
+        `kinds` and `max_payload` (the route's own limit, from the run's plan) are checked on the header,
+        before any payload byte is read.
         """
         accepted = frozenset(kinds) if kinds is not None else None
 
         async def route(request: web.Request) -> web.StreamResponse:
             env = await verifier.read(
-                request.content.iter_chunked(CHUNK), content_length=request.content_length, fresh=fresh
+                request.content.iter_chunked(CHUNK), content_length=request.content_length, fresh=fresh,
+                kinds=accepted, max_payload=max_payload,
             )
-            if accepted is not None and env.kind not in accepted:
-                return error_response(400, f"message kind {env.kind!r} is not accepted on {path}")
             request[BYTES_IN] = env.frame_size()
             out = await handler(env, request)
             return web.Response(body=out, content_type="application/octet-stream") if isinstance(out, bytes) else out
@@ -134,8 +136,8 @@ class PeerServer:
                 resp = await handler(request)
             except ProtocolError as e:
                 resp = error_response(e.status, e.reason)
-            except web.HTTPException as e:
-                resp = e
+            except web.HTTPException as e:  # (aiohttp's own: 404, 405, ...) answered in our one-line form
+                resp = error_response(e.status, e.reason)
             except (ConnectionError, asyncio.IncompleteReadError, aiohttp.ClientPayloadError):
                 resp = error_response(400, "request body ended early")
             except Exception:

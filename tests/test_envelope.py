@@ -119,10 +119,16 @@ def test_wrong_run_is_refused():
         EnvelopeVerifier(RUN).open(frame(run=OTHER_RUN))
 
 
-def test_non_member_is_refused_after_signature_check():
+def test_non_member_is_refused_before_its_signature_costs_a_verification():
     v = EnvelopeVerifier(RUN, is_member=lambda pk: pk != SENDER.public_key)
     with pytest.raises(NotMember, match=SENDER.peer_id):
         v.open(frame())
+    env = seal(SENDER, "test.small", RUN, {}, b"")
+    bad_signature = struct.pack(">I", len(env.header)) + env.header + bytes(64)
+    with pytest.raises(NotMember):  # not BadSignature: the signature was never looked at
+        v.open(bad_signature)
+    with pytest.raises(BadSignature):
+        EnvelopeVerifier(RUN).open(bad_signature)
 
 
 def test_payload_over_kind_limit_is_too_large_before_reading():

@@ -1,0 +1,166 @@
+"""Only the peer that may own a fragment publishes it: a correctly signed update, certificate or replication
+from any other member is refused with 403 and changes nothing (coordinator/authority.py)."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from diloco.coordinator.authority import (
+    TERM_BLOCKS_AHEAD,
+    TERM_MAX,
+    TERM_SLOTS,
+    Unauthorized,
+    check_replication,
+    check_term,
+    check_update,
+    next_term,
+    term_slot,
+)
+from diloco.coordinator.fragments import anchor_digest
+from diloco.coordinator.version import Version
+from diloco.coordinator.wire import (
+    REPLICATE,
+    ROUTE_REPLICATE,
+    ROUTE_UPDATE,
+    UPDATE,
+    ReplicateFields,
+    UpdateFields,
+)
+from diloco.protocol.codecs import get_codec
+from diloco.protocol.envelope import join_bytes, seal
+from diloco.protocol.identity import Identity
+
+from .swarm_utils import LocalLearner, tiny_run, wait_until
+
+ALICE, MALLORY = Identity.generate().peer_id, Identity.generate().peer_id
+
+
+def own_term(peer: str, block: int = 1) -> int:
+    return block * TERM_SLOTS + term_slot(peer)
+
+
+def owner_is(*peers: str):
+    return lambda p, peer: peer in peers
+
+
+def test_a_term_belongs_to_the_slot_of_the_peer_that_took_the_fragment_over():
+    check_term(Version(own_term(ALICE), 3), ALICE)
+    for label in (Version(own_term(ALICE), 3), Version(0, 1), Version(TERM_MAX + term_slot(MALLORY), 1)):
+        with pytest.raises(Unauthorized):
+            check_term(label, MALLORY)
+    assert next_term(own_term(ALICE, 5), MALLORY) == own_term(MALLORY, 6)
+    with pytest.raises(ValueError):
+        next_term(TERM_MAX, ALICE)
+
+
+def test_an_update_is_one_step_a_bounded_takeover_and_a_new_term_only_from_an_owner_or_replica():
+    base = Version(own_term(ALICE), 7)
+    live = owner_is(ALICE)
+    check_update(0, base, base.next(), ALICE, live, lambda _: True, pushed=True)  # the owner's next version
+    takeover = Version(own_term(MALLORY, 2), 8)
+    check_update(0, base, takeover, MALLORY, owner_is(ALICE, MALLORY), lambda _: True, pushed=True)
+    refused = [
+        (base, Version(base.term, 9), ALICE, True),  # two steps at once
+        (base, Version((1 + TERM_BLOCKS_AHEAD + 1) * TERM_SLOTS + term_slot(ALICE), 8), ALICE, True),
+        (base, takeover, MALLORY, True),  # a takeover pushed by a member that may not own p here
+        (base, Version(base.term, 8), MALLORY, True),  # in Alice's term
+        (base, Version(2**63 - 1, 8), MALLORY, True),
+    ]
+    for b, new, signer, pushed in refused:
+        with pytest.raises(Unauthorized):
+            check_update(0, b, new, signer, live, lambda _: True, pushed)
+    # fetched from a holder: a takeover by a publisher that has since left is history, not an attack
+    check_update(0, base, takeover, MALLORY, live, lambda _: False, pushed=False)
+    with pytest.raises(Unauthorized):
+        check_update(0, base, takeover, MALLORY, live, lambda _: True, pushed=False)
+
+
+def test_a_replication_comes_from_the_owner_in_its_own_term_or_is_a_hand_over_of_its_own_version():
+    term = own_term(ALICE, 2)
+    check_replication(0, term, Version(term, 4), False, ALICE, owner_is(ALICE))
+    check_replication(0, term, Version(term, 4), True, ALICE, owner_is())  # hand-over after losing p
+    for args in [(term, Version(term, 4), False, MALLORY, owner_is(ALICE, MALLORY)),  # Alice's term
+                 (term, Version(term, 4), False, ALICE, owner_is()),  # not an owner, not a hand-over
+                 (own_term(ALICE, 1), Version(term, 4), True, ALICE, owner_is(ALICE)),  # label above the term
+                 (own_term(ALICE, 3 + TERM_BLOCKS_AHEAD), Version(term, 4), False, ALICE, owner_is(ALICE))]:
+        with pytest.raises(Unauthorized):
+            check_replication(0, *args)
+
+
+def post(url: str, route: str, frame: bytes) -> int:
+    req = urllib.request.Request(url + route, data=frame, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.fixture
+def swarm():
+    genesis = tiny_run(quorum=2)
+    nodes = []
+    try:
+        a = LocalLearner(genesis, 0).start()
+        nodes.append(a)
+        nodes += [LocalLearner(genesis, i, [a.url]).start() for i in (1, 2)]
+        wait_until(lambda: all(len(n.learner.swarm.members.live()) == 3 for n in nodes), 30, "3 live members")
+        wait_until(lambda: all(n.learner.swarm.members.roles(0)[0] == nodes[0].learner.swarm.members.roles(0)[0]
+                               for n in nodes), 10, "one owner of fragment 0 everywhere")
+        yield genesis, nodes
+    finally:
+        for n in nodes:
+            n.learner.close()
+
+
+def test_a_member_that_may_not_own_a_fragment_cannot_publish_or_replicate_it(swarm):
+    """Three learners; the one that is neither owner nor replica of a fragment signs a well-formed update of
+    it (in a term of its own, in the owner's term, and at the largest term) and a replication with a huge
+    term: every one is refused with 403 at the owner's replica, and its label and terms are unchanged."""
+    genesis, nodes = swarm
+    spec = genesis.spec
+    members = nodes[0].learner.swarm.members
+    p = 0
+    owner, replica = members.roles(p)
+    target = next(n for n in nodes if n.learner.swarm.identity.peer_id == replica)
+    mallory = next(n for n in nodes if n.learner.swarm.identity.peer_id not in (owner, replica))
+    key = mallory.learner.swarm.identity
+    store = target.learner.swarm.store
+    for _ in range(3):
+        for n in nodes:
+            n.train(10)
+    wait_until(lambda: store.label(p).term > 0, 30, "a first version of the fragment")
+    base = store.label(p)
+    anchor = store.read(p)[0].clone()
+    move = torch.full_like(anchor, 1000.0)
+    int8 = get_codec("int8")
+    meta, payload = int8.encode(move)
+    digest = anchor_digest(anchor + int8.decode(meta, payload))
+
+    def update(new: Version) -> bytes:
+        fields = UpdateFields(p, base, new, digest, meta, (key.peer_id,)).to_fields()
+        return seal(key, UPDATE, spec.run_id, fields, payload).to_bytes()
+
+    forged = [Version(next_term(base.term, key.peer_id), base.version + 1),  # a takeover of its own
+              base.next(),  # in the owner's term
+              Version(2**63 - 1, 2**63 - 1)]
+    for new in forged:
+        assert post(target.url, ROUTE_UPDATE, update(new)) == 403, new
+    terms_before = target.learner.swarm.shard.replication.terms_seen[p]
+    fields = ReplicateFields(p, 2**63 - 1, Version(2**63 - 1, base.version + 1), False, 0, None).to_fields()
+    assert post(target.url, ROUTE_REPLICATE, seal(key, REPLICATE, spec.run_id, fields, join_bytes()).to_bytes()) \
+        == 403
+    assert store.label(p) == base and torch.equal(store.read(p)[0], anchor)
+    assert target.learner.swarm.shard.replication.terms_seen[p] == terms_before
+    stats = target.learner.swarm.sync.stats
+    assert stats["updates_unauthorized"] == len(forged)
+    # the real owner still publishes, and everyone follows it
+    for _ in range(3):
+        for n in nodes:
+            n.train(10)
+    wait_until(lambda: all(n.learner.swarm.store.label(p) > base for n in nodes), 30, "the owner's next version")
+    assert all(n.learner.swarm.store.label(p).term % TERM_SLOTS == term_slot(owner) for n in nodes)
