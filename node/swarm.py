@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
 
 import torch
 from aiohttp import web
@@ -38,11 +37,11 @@ from diloco.protocol.errors import ProtocolError
 from diloco.protocol.identity import Identity
 from diloco.protocol.transport import PeerClient, PeerServer, TransportError
 
+from . import reach
 from .heap import return_large_buffers_to_os, trim_heap
 from .journal import Journal
 
 log = logging.getLogger(__name__)
-ROUTE_REACH = "/v1/reach"
 DHT_WATCH_EVERY = 6  # every how many watches read the DHT's frag records (the others ask the members)
 KNOWN_URLS_KEPT = 32  # member URLs remembered (most recently seen first): saved with checkpoints, pinged to heal
 
@@ -258,7 +257,7 @@ class Swarm:
             for p, (label, momentum) in self._restored_momenta.items():
                 self.shard.replication.restore(p, label, momentum)
             self.server.add_route("GET", ROUTE_STATUS, self._serve_status)
-            self.server.add_route("GET", ROUTE_REACH, self._serve_reach)
+            reach.ReachProbe(self.spec, self.client, self.server)
             try:
                 await self.server.start()
             except OSError as e:
@@ -315,27 +314,14 @@ class Swarm:
             await self.members.poll()
 
     async def _reachable(self) -> bool:
-        """Ask a bootstrap peer to open a connection to our announced URL (GET /v1/reach); True without asking
+        """Ask a bootstrap peer to open a connection to our announced URL (node/reach.py); True without asking
         when there is nothing to check (no peers, no server, or client mode chosen by flag)."""
         if self.config.client_mode is not None or self.server is None:
             return True
         for peer in self.config.peers:
             with contextlib.suppress(TransportError):
-                body = await self.client.request("GET", peer, f"{ROUTE_REACH}?url={quote(self.url, safe='')}",
-                                                 deadline_s=10.0)
-                return body.strip() == b"reachable"
+                return await reach.ask(self.client, self.identity, self.spec, peer, self.url)
         return True  # no peer answered the question: assume the announced address works
-
-    async def _serve_reach(self, request: web.Request) -> web.Response:
-        """GET /v1/reach?url=U: try GET U/v1/status within 3 s and say whether it answered."""
-        url = request.query.get("url", "")
-        if not url.startswith(("http://", "https://")) or len(url) > 256 or "?" in url or "#" in url:
-            return web.Response(status=400, text="url must be http(s)://host:port\n")
-        try:
-            await self.client.request("GET", url.rstrip("/"), ROUTE_STATUS, deadline_s=3.0, max_response=1 << 20)
-            return web.Response(text="reachable\n")
-        except TransportError:
-            return web.Response(text="unreachable\n")
 
     async def _watch(self) -> None:
         """Catch up on versions we missed. Every `watch_s`: GET /v1/versions of the live members (one small
