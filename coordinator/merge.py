@@ -1,7 +1,8 @@
 """The merge rule of one fragment's outer step (docs/architecture.md §6.2): many learners' deltas in, one delta out.
 
 Pure tensor math, no network and no state. Each contribution is weighted by the tokens behind it and
-discounted by its staleness; non-finite deltas are refused; outlier norms are clipped to c·median; then
+discounted by its staleness, no share above a cap; non-finite deltas are refused; outlier norms are clipped to
+c·median (this round's norms and the owner's recent ones); then
 non-embedding fragments use radial-directional averaging (RDA) and embedding fragments the weighted mean.
 Deltas are 1-D fragments (plan.py); arithmetic is fp32 with fp64 norms and scalar weights. Loops run over
 contributions, never over elements. A contribution's delta may be a callable that produces it, optionally into
@@ -51,9 +52,10 @@ class Contribution:
 @dataclass(frozen=True)
 class MergeResult:
     delta: Tensor  # the merged 1-D fp32 delta
-    weights: list[float]  # normalised weights w_m / Σ w, in contribution order
+    weights: list[float]  # the shares: normalised weights w_m / Σ w (capped at `max_share`), in contribution order
     clipped: int  # how many deltas had their norm clipped to c·median
     total_tokens: int
+    norms: list[float]  # ‖s_m Δ_m‖, the norms merged (after clipping): the next rounds' clipping reference
 
 
 def token_weight(tokens: int, steps: int, staleness: int = 0) -> float:
@@ -99,10 +101,33 @@ def drop_stale(contributions: Iterable[Contribution], max_staleness: int) -> tup
     return kept, dropped
 
 
-def clip_factors(norms: Sequence[float], c: float) -> list[float]:
-    """s_m = min(1, c·median(‖Δ‖)/‖Δ_m‖): norms above c·median are clipped to it (docs/architecture.md §6.2)."""
-    limit = c * statistics.median(norms)
+def clip_factors(norms: Sequence[float], c: float, reference: Sequence[float] = ()) -> list[float]:
+    """s_m = min(1, c·median(‖Δ‖ ∪ reference)/‖Δ_m‖): norms above c·median are clipped to it
+    (docs/architecture.md §6.2). `reference`: the owner's accepted norms of recent rounds, so that one delta
+    cannot move the median it is clipped against (with two deltas alone, the larger is never above 3× theirs)."""
+    limit = c * statistics.median([*norms, *reference])
     return [1.0 if n <= limit else limit / n for n in norms]
+
+
+def capped_shares(weights: Sequence[float], cap: float) -> list[float]:
+    """The weights normalised to shares, none above `cap` (at least 1/M): what a capped share loses goes to
+    the others in proportion to their weights, so no learner's claims buy more than `cap` of a merge."""
+    total = math.fsum(weights)
+    if not 0.0 < total < math.inf:
+        return list(weights)  # (counters `validate` refuses)
+    if len(weights) <= 1 or cap >= 1.0:
+        return [w / total for w in weights]
+    cap = max(cap, 1.0 / len(weights))
+    fixed: set[int] = set()
+    while True:
+        free = [i for i in range(len(weights)) if i not in fixed]
+        free_total, free_share = math.fsum(weights[i] for i in free), 1.0 - cap * len(fixed)
+        if not free or free_total <= 0.0:
+            return [cap if i in fixed else free_share / max(len(free), 1) for i in range(len(weights))]
+        over = {i for i in free if weights[i] / free_total * free_share > cap}
+        if not over:
+            return [cap if i in fixed else weights[i] / free_total * free_share for i in range(len(weights))]
+        fixed |= over
 
 
 def weighted_mean(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
@@ -149,6 +174,8 @@ def merge(
     embedding_numel: int | None = None,
     out: Tensor | None = None,
     scratch: Tensor | None = None,
+    reference_norms: Sequence[float] = (),
+    max_share: float = 1.0,
 ) -> MergeResult:
     """Merge the contributions of one fragment (docs/architecture.md §6.2).
 
@@ -157,7 +184,9 @@ def merge(
     elements (the embedding tensors) get the weighted mean and the rest RDA. Clipping uses the whole delta.
     The same sums as `weighted_mean` and `rda` on the clipped deltas, taken one contribution at a time.
     `out` receives the merged delta and `scratch` the decoded deltas of callable contributions (flat fp32
-    buffers of the fragment's size; fresh ones when not given).
+    buffers of the fragment's size; fresh ones when not given). Norms are clipped against the median of
+    theirs and `reference_norms` (`clip_factors`); no contribution's share is above `max_share`
+    (`capped_shares`).
 
     Raises `InvalidContribution` (or its subclass `NonFiniteDelta`) for the first bad contribution: validate
     each one with `validate` on receipt and drop the bad ones so that this never raises.
@@ -174,7 +203,7 @@ def merge(
         raise ValueError(f"embedding_numel={embedding_numel} does not fit a fragment of {numel} elements")
     out = torch.zeros(numel, dtype=torch.float32) if out is None else out.zero_()
     mean, direction = out[:k], out[k:]
-    weights = [token_weight(c.tokens, c.steps, c.staleness) for c in cs]
+    weights = capped_shares([token_weight(c.tokens, c.steps, c.staleness) for c in cs], max_share)
     total = math.fsum(weights)
     # Pass 1: the norms, and RDA's sum of unit directions (φ(sΔ_m) = Δ_m/‖Δ_m‖: clipping keeps the direction).
     norms, tails = [], []  # ‖Δ_m‖, and ‖Δ_m[k:]‖ (the RDA part's own norm)
@@ -186,7 +215,7 @@ def merge(
             direction.add_(d[k:], alpha=w / (total * tails[-1]))
         del d
     del first
-    factors = clip_factors(norms, clip_c)
+    factors = clip_factors(norms, clip_c, reference_norms)
     if k:  # pass 2: the weighted mean of the clipped deltas needs the clip factors, hence the median
         for c, w, s in zip(cs, weights, factors, strict=True):
             mean.add_(delta_of(c, scratch)[:k], alpha=w * s / total)
@@ -205,4 +234,5 @@ def merge(
         weights=[w / total for w in weights],
         clipped=sum(1 for s in factors if s < 1.0),
         total_tokens=sum(c.tokens for c in cs),
+        norms=[n * s for n, s in zip(norms, factors, strict=True)],
     )

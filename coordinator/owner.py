@@ -55,6 +55,7 @@ class Publication:
     batch: list[PendingDelta]
     momentum: Tensor | None
     residual: Encoded | None
+    norms: list[float]  # the round's merged delta norms, for the owner's clipping reference
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,11 @@ class OwnerSettings:
     clip_c: float = 3.0
     error_feedback: bool = True
     strict_quorum: bool = False  # the synchronous baseline: never step with fewer than `quorum` learners
+    max_tokens_per_step: int = 1 << 24  # a delta's claim: tokens <= steps × this
+    max_share: float = 1.0  # of any one learner in a merge
+
+
+NORM_HISTORY = 32  # accepted delta norms an owner clips against, over its recent rounds
 
 
 class FragmentOwner:
@@ -100,6 +106,8 @@ class FragmentOwner:
         self.tracker = QuorumTracker(learners, settings.quorum, settings.gamma, settings.tau, settings.cap_s, clock,
                                      strict=settings.strict_quorum)
         self.dropped: collections.Counter[str] = collections.Counter()
+        # committed with the version, like the momentum: the norms merged by the last rounds (`merge`'s reference)
+        self.norms: collections.deque[float] = collections.deque(maxlen=NORM_HISTORY)
 
     def offer(self, delta: PendingDelta, current: Version) -> None:
         """Queue a learner's delta for the next outer step; refuse one too stale to merge."""
@@ -110,6 +118,10 @@ class FragmentOwner:
                 f"delta for fragment {self.p} is based on {delta.base}, the owner is at {current} "
                 f"(max staleness {self.settings.max_staleness}); resync the fragment"
             )
+        if delta.tokens > delta.steps * self.settings.max_tokens_per_step:
+            self.dropped["claims"] += 1
+            raise Malformed(f"a delta of {delta.steps} steps claims {delta.tokens} tokens, above this run's "
+                            f"{self.settings.max_tokens_per_step} per step")
         if delta.meta.get("codec") != self.codec.name:
             self.dropped["codec"] += 1
             raise Malformed(f"fragment {self.p} takes codec {self.codec.name!r}, got {delta.meta.get('codec')!r}")
@@ -167,7 +179,8 @@ class FragmentOwner:
         scratch, update, decoded = pool.take(self.numel), pool.take(self.numel), pool.take(self.numel)
         try:
             result = merge(contributions, clip_c=self.settings.clip_c, embedding_numel=self.embedding_numel,
-                           out=update, scratch=scratch)
+                           out=update, scratch=scratch, reference_norms=tuple(self.norms),
+                           max_share=self.settings.max_share)
             momentum = self.outer.update_into(result.delta, committed, out=spare)  # result.delta is now U
             if self.settings.error_feedback and residual is not None:
                 update.add_(residual.decode(self.numel, out=scratch))
@@ -195,6 +208,7 @@ class FragmentOwner:
             batch=batch,
             momentum=momentum,
             residual=residual,
+            norms=result.norms,
         )
 
     def commit(self, pub: Publication) -> None:
@@ -202,6 +216,7 @@ class FragmentOwner:
         (the caller holds the event loop, so a hand-over sees either the old state or this one)."""
         old = self.momentum
         self.momentum, self.residual, self.label = pub.momentum, pub.residual, pub.new
+        self.norms.extend(pub.norms)
         self._spare = old if old is not pub.momentum else None  # the next step writes into it
 
     def adopt_momentum(self, momentum: Tensor, label: Version) -> bool:

@@ -42,6 +42,8 @@ class RunSpec:
     codec: str = "int8"
     error_feedback: bool = False
     max_staleness: int = 4
+    max_tokens_per_step: int = 1 << 24  # a delta claiming more tokens than steps × this is refused
+    max_share: float = 0.5  # no learner's share of a merge above this (at least 1/M): docs/architecture.md §6.2
     replicas: int = 1
     synchronous: bool = False  # the synchronous baseline (docs/architecture.md §10): quorum is every learner,
     # no grace window, learners block until their previous delta of a fragment is merged and checkpoint at a barrier
@@ -66,6 +68,8 @@ class RunSpec:
             problems.append("a synchronous run has no grace window: set grace_gamma and grace_cap_s to 0")
         if self.max_staleness < 0 or self.replicas < 0:
             problems.append("max_staleness and replicas must be >= 0")
+        if self.max_tokens_per_step < 1 or not 0 < self.max_share <= 1:
+            problems.append("max_tokens_per_step must be >= 1 and max_share in (0, 1]")
         if not 0 <= self.outer_momentum < 1 or not self.outer_lr > 0:
             problems.append("outer_lr must be > 0 and outer_momentum in [0, 1)")
         if self.membership not in MEMBERSHIP_POLICIES:

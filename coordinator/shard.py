@@ -77,7 +77,8 @@ class Shard:
         self.codec = codec or get_codec(spec.codec)
         self.outer = OuterOptimizer(spec.outer_lr, spec.outer_momentum, nesterov=spec.outer_momentum > 0)
         self.settings = OwnerSettings(spec.quorum, spec.grace_gamma, spec.overlap, spec.grace_cap_s,
-                                      spec.max_staleness, strict_quorum=spec.synchronous)
+                                      spec.max_staleness, strict_quorum=spec.synchronous,
+                                      max_tokens_per_step=spec.max_tokens_per_step, max_share=spec.max_share)
         self.owners: dict[int, FragmentOwner] = {}  # the fragments this peer owns; changed on the loop only
         self.outer_steps = [0] * len(store)
         # seconds of each recent published round, from taking its deltas to its version pushed to every learner

@@ -173,6 +173,11 @@ def _load_run(path: Path):
 @click.option("--outer-lr", default=0.35, show_default=True, help="Outer (Nesterov SGD) learning rate.")
 @click.option("--outer-momentum", default=0.9, show_default=True)
 @click.option("--max-staleness", default=4, show_default=True, help="Deltas older than this many versions are dropped.")
+@click.option("--max-tokens-per-step", default=1 << 24, show_default=True,
+              help="The most tokens one learner may report for one inner step; an owner refuses a delta that "
+              "claims more (set it to your largest learner's batch tokens).")
+@click.option("--max-share", default=0.5, show_default=True,
+              help="The largest share of one outer step any one learner's delta may have, whatever its claims.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the initial parameters.")
 @click.option("--synchronous", is_flag=True, help="The synchronous baseline: every outer step waits for all "
               "--quorum learners (no grace window), learners wait for their merges and checkpoint at a barrier.")
@@ -181,8 +186,8 @@ def _load_run(path: Path):
               help="The creator's key file (created if missing); it signs the spec.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("run.spec"), show_default=True)
 def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int, quorum: int, codec: str,
-             outer_lr: float, outer_momentum: float, max_staleness: int, seed: int, synchronous: bool,
-             allow: tuple[str, ...], key: Path, out: Path) -> None:
+             outer_lr: float, outer_momentum: float, max_staleness: int, max_tokens_per_step: int,
+             max_share: float, seed: int, synchronous: bool, allow: tuple[str, ...], key: Path, out: Path) -> None:
     """Write and sign a RunSpec: everything the swarm must agree on. Prints the run id."""
     from diloco.protocol.codecs import available_codecs
     from diloco.protocol.errors import ProtocolError
@@ -207,6 +212,7 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
         genesis = new_run(load_identity(key), name, task=task, model=model, fragments=fragments,
                           inner_steps=inner_steps, quorum=quorum, codec=codec, outer_lr=outer_lr,
                           outer_momentum=outer_momentum, max_staleness=max_staleness, seed=seed,
+                          max_tokens_per_step=max_tokens_per_step, max_share=max_share,
                           **({"synchronous": True, "grace_gamma": 0.0, "grace_cap_s": 0.0} if synchronous else {}),
                           membership="allowlist" if allowlist else "open", allowlist=allowlist)
     except (ProtocolError, ValueError, ImportError) as e:

@@ -294,6 +294,9 @@ class Learner:
         if not self.swarm.healthy:
             raise self.swarm.error or SwarmFailed("the swarm loop is not running (stopped, or it died before "
                                                   "reporting why); restart this learner")
+        if not 0 <= tokens <= self.spec.max_tokens_per_step:
+            raise ValueError(f"tokens={tokens} for one inner step; this run takes 0 to {self.spec.max_tokens_per_step} "
+                             "(the RunSpec's max_tokens_per_step: owners refuse deltas that claim more)")
         now = time.monotonic()
         self.t += 1
         self.tokens += tokens

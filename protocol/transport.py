@@ -31,11 +31,13 @@ from .errors import (
     ResponseTooLarge,
     TransportError,
 )
+from .intake import paced, quiet_malformed_requests
 
 log = logging.getLogger(__name__)
 
 CHUNK = 256 * 1024
 DEFAULT_MAX_RESPONSE = 64 * 1024 * 1024
+MAX_PLAIN_BODY = 1024 * 1024  # the body of a route that does not take an envelope
 
 
 @dataclass
@@ -84,7 +86,8 @@ class PeerServer:
         self.shutdown_timeout_s = shutdown_timeout_s
         self.counters = Counters()
         self.closing = False
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=1024 * 1024)
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=MAX_PLAIN_BODY)
+        quiet_malformed_requests()
         self._runner: web.AppRunner | None = None
 
     @property
@@ -115,7 +118,7 @@ class PeerServer:
 
         async def route(request: web.Request) -> web.StreamResponse:
             env = await verifier.read(
-                request.content.iter_chunked(CHUNK), content_length=request.content_length, fresh=fresh,
+                paced(request.content.iter_chunked(CHUNK)), content_length=request.content_length, fresh=fresh,
                 kinds=accepted, max_payload=max_payload,
             )
             request[BYTES_IN] = env.frame_size()
@@ -129,7 +132,8 @@ class PeerServer:
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
         if self.closing:
             return error_response(503, "peer is shutting down")
-        if request.content_length is not None and request.content_length > max_frame_size():
+        limit = MAX_PLAIN_BODY if request.method in ("GET", "HEAD") else max_frame_size()
+        if request.content_length is not None and request.content_length > limit:
             resp: web.StreamResponse = error_response(413, f"body of {request.content_length} bytes is too large")
         else:
             try:

@@ -105,3 +105,11 @@ def test_the_reachability_probe_answers_a_member_about_its_own_address_only(lear
     with pytest.raises(urllib.error.HTTPError) as unsigned:
         urllib.request.urlopen(f"{learner.url}/v1/reach?url=http://127.0.0.1:1", timeout=5)
     assert unsigned.value.code in (404, 405)
+
+
+def test_a_learner_refuses_a_token_count_its_run_would_refuse_before_counting_it(learner):
+    lr = learner.learner
+    t, tokens = lr.t, lr.tokens
+    with pytest.raises(ValueError, match="max_tokens_per_step"):
+        lr.step(tokens=lr.spec.max_tokens_per_step + 1)
+    assert (lr.t, lr.tokens) == (t, tokens)

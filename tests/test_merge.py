@@ -11,6 +11,7 @@ from diloco.coordinator.merge import (
     Contribution,
     InvalidContribution,
     NonFiniteDelta,
+    capped_shares,
     drop_stale,
     merge,
     token_weight,
@@ -226,3 +227,32 @@ def test_deltas_given_as_callables_merge_the_same_one_at_a_time():
         assert lazy.clipped == direct.clipped == 1
     # pure RDA in one pass; a weighted-mean part needs a second (its clip factors wait for the median)
     assert calls == [1 + 2 + 2] * 5
+
+
+def test_at_quorum_two_a_huge_delta_is_clipped_only_against_the_owners_recent_norms():
+    honest, huge = torch.tensor([0.6, 0.8]), torch.tensor([600.0, 800.0])  # norms 1 and 1000
+    alone = merge(contributions([honest, huge]), clip_c=3.0)
+    assert alone.clipped == 0  # the round's own median (500.5) moves with the huge delta
+    result = merge(contributions([honest, huge]), clip_c=3.0, reference_norms=[1.0, 1.1, 0.9, 1.0])
+    assert result.clipped == 1 and result.norms == pytest.approx([1.0, 3.0])
+    assert result.delta.norm().item() == pytest.approx(2.0)  # RDA radius (1 + 3) / 2, same direction
+
+
+@pytest.mark.parametrize("weights, cap, shares", [
+    ([1.0, 1.0], 0.5, [0.5, 0.5]),
+    ([1e12, 1.0], 0.5, [0.5, 0.5]),  # a claim of any size buys half of a two-learner merge, not all of it
+    ([8.0, 1.0, 1.0], 0.5, [0.5, 0.25, 0.25]),
+    ([8.0, 4.0, 2.0, 2.0], 0.4, [0.4, 0.3, 0.15, 0.15]),
+    ([9.0, 9.0, 1.0, 1.0], 0.3, [0.3, 0.3, 0.2, 0.2]),
+    ([3.0, 1.0], 1.0, [0.75, 0.25]),
+    ([5.0, 1.0, 1.0], 0.1, [1 / 3, 1 / 3, 1 / 3]),  # a cap below 1/M is 1/M
+])
+def test_no_share_is_above_the_cap_and_the_rest_keep_their_proportions(weights, cap, shares):
+    assert capped_shares(weights, cap) == pytest.approx(shares)
+
+
+def test_a_merge_caps_the_share_of_a_delta_whatever_its_counters_claim():
+    deltas = [torch.zeros(4), torch.ones(4)]
+    out = merge(contributions(deltas, tokens=[1, 10**9], steps=[1, 1]), is_embedding=True, max_share=0.5)
+    assert out.weights == pytest.approx([0.5, 0.5])
+    torch.testing.assert_close(out.delta, torch.full((4,), 0.5))

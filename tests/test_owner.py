@@ -168,3 +168,32 @@ def test_what_a_hand_over_reads_during_a_step_is_the_committed_momentum():
         pausing.release.set()
         worker.join(10)
     assert torch.equal(handed, committed), "a hand-over during a step carried a momentum no version has"
+
+
+def test_a_delta_claiming_more_tokens_than_its_steps_allow_is_refused_and_counted():
+    o = owner(max_tokens_per_step=100)
+    o.offer(delta("a", 1.0, tokens=1000, steps=10), GENESIS)  # 100 per step: at the bound
+    with pytest.raises(Malformed, match="claims"):
+        o.offer(delta("b", 1.0, tokens=1001, steps=10), GENESIS)
+    assert o.dropped["claims"] == 1 and set(o.pending) == {"a"}
+
+
+def test_the_clipping_reference_is_committed_with_the_version_and_clips_a_huge_delta_at_quorum_two():
+    o = owner()
+    current = GENESIS
+    for _ in range(2):  # two honest rounds, published
+        o.offer(delta("a", 1.0, base=current), current)
+        o.offer(delta("b", 1.1, base=current), current)
+        pub = o.step(o.take_round(), current)
+        o.commit(pub)
+        current = pub.new
+    assert len(o.norms) == 4
+    o.offer(delta("a", 1.0, base=current), current)
+    o.offer(delta("b", 1000.0, base=current), current)
+    batch = o.take_round()
+    pub = o.step(batch, current)
+    honest = float((torch.full((N,), 1.0) + torch.linspace(0, 1.0, N)).norm())
+    assert max(pub.norms) <= 3.0 * 1.1 * honest  # clipped to 3× the median of the recent norms
+    before = list(o.norms)
+    o.abandon(pub, batch, requeue=False)
+    assert list(o.norms) == before  # a round that is not published leaves the reference as it was

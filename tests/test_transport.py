@@ -1,10 +1,13 @@
 import asyncio
 import hashlib
+import logging
 import socket
+import sys
 
 import pytest
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
+from diloco.protocol import intake
 from diloco.protocol.deadlines import DeadlinePolicy, LinkEstimator
 from diloco.protocol.envelope import EnvelopeVerifier, register_kind, seal
 from diloco.protocol.errors import BackPressure
@@ -177,3 +180,61 @@ def test_deadline_adapts_to_observed_latency_and_rate():
     assert est.deadline(100_000_000) == pytest.approx(2 * (0.05 + 10), rel=0.01)
     slow = LinkEstimator(DeadlinePolicy(floor_s=0.5, ceiling_s=30))
     assert slow.deadline(0) >= 0.5 and slow.deadline(10**12) == 30
+
+
+async def test_a_body_that_trickles_in_is_cut_at_the_minimum_pace(server, monkeypatch):
+    """slow-loris: a byte every 0.1 s never completes; with a 1 s grace at 1 KiB/s the peer answers 408 within
+    about a second instead of holding the connection for as long as the sender likes."""
+    monkeypatch.setattr(intake, "BODY_GRACE_S", 1.0)
+    monkeypatch.setattr(intake, "BODY_MIN_RATE", 1024.0)
+    frame = seal(ME, "test.blob", RUN, {}, b"x" * 100_000).to_bytes()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(frame))
+    started = asyncio.get_running_loop().time()
+
+    async def trickle():
+        for byte in frame:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+    sender = asyncio.create_task(trickle())
+    try:
+        status = await asyncio.wait_for(reader.readline(), 10)
+    finally:
+        sender.cancel()
+        writer.close()
+    assert b" 408 " in status and asyncio.get_running_loop().time() - started < 5
+    assert server.seen == []
+
+
+async def test_a_body_on_a_get_route_above_the_plain_body_limit_is_413(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /v1/big HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (2 * 1024 * 1024))
+    await writer.drain()
+    status = await asyncio.wait_for(reader.readline(), 5)
+    writer.close()
+    assert b" 413 " in status
+
+
+def test_malformed_http_is_logged_as_one_rate_limited_line_without_a_traceback():
+    clock = [0.0]
+    log_filter = intake.RefusedRequestLog(every_s=10.0, clock=lambda: clock[0])
+    try:
+        raise http_exceptions.BadHttpMessage("Invalid character in Content-Length")
+    except http_exceptions.BadHttpMessage:
+        exc_info = sys.exc_info()
+
+    def record() -> logging.LogRecord:
+        return logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request", (),
+                                 exc_info)
+
+    first = record()
+    assert log_filter.filter(first) and first.exc_info is None and first.levelno == logging.INFO
+    assert "Invalid character" in first.getMessage()
+    assert not any(log_filter.filter(record()) for _ in range(50))  # the next 50 within 10 s: left out
+    clock[0] = 11.0
+    later = record()
+    assert log_filter.filter(later) and "50 more" in later.getMessage()
+    other = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "a real bug", (), None)
+    assert log_filter.filter(other) and other.levelno == logging.ERROR
