@@ -199,6 +199,8 @@ def restore(ckpt: Checkpoint, model: torch.nn.Module | Mapping[str, Tensor],
         if live[name].shape != t.shape or live[name].dtype != t.dtype:
             raise ValueError(f"{name}: checkpoint has {t.dtype}{list(t.shape)}, model has "
                              f"{live[name].dtype}{list(live[name].shape)}")
+    if not ckpt.optimizer["param_groups"] and not ckpt.optimizer["state"]:
+        optimizer = None  # saved without an optimizer (an FSDP2 learner's, before they were gathered): keep it
     if optimizer is not None and len(optimizer.param_groups) != len(ckpt.optimizer["param_groups"]):
         raise ValueError("checkpoint and optimizer have different numbers of param groups")
     with torch.no_grad():

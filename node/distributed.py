@@ -15,7 +15,8 @@ the optimizer state and the step counters. Token counts are summed over ranks.
 Under FSDP2 (`fully_shard`) no rank holds θ whole: rank 0's `Learner` works on a full host copy, filled
 from the shards when it reads a fragment, and every rank replays on its own shard what the swarm wrote into
 that copy (node/fsdp.py); the pseudo-gradient never needs the whole model on one GPU. The inner optimizer's
-state is then each rank's own and is not in rank 0's checkpoint: a relaunched FSDP2 learner starts it afresh.
+state is each rank's own; at every checkpoint step the ranks gather it into rank 0's host memory for the
+checkpoint, and a resumed learner gives every rank its shards of it again (node/fsdp_optim.py).
 
 A rank that dies makes the next collective fail on the others (gloo and NCCL see the closed connection), which
 raises out of `step`: the job ends, torchrun stops every rank, and the learner comes back as one learner from
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from diloco.coordinator.plan import FragmentPlan
 
 from .fsdp import Shards, is_sharded
+from .fsdp_optim import GatheredOptimizer
 from .learner import Learner, due_at, step_hook
 
 
@@ -57,10 +59,11 @@ class DistributedLearner:
         self.plan = FragmentPlan.from_module(model, spec.fragments)
         self.shards = Shards(model, self.plan) if is_sharded(model) else None
         self._full: dict[str, torch.Tensor] | None = None  # rank 0 of an FSDP2 learner: θ whole (node/fsdp.py)
+        self._optim = GatheredOptimizer(model, optimizer) if self.shards is not None else None
         if self.rank == src:
             if self.shards is not None:
                 self._full = self.shards.full_copy()
-                self.learner = Learner(model, None, run, params=self._full, **learner_kwargs)
+                self.learner = Learner(model, self._optim, run, params=self._full, **learner_kwargs)
             else:
                 self.learner = Learner(model, optimizer, run, **learner_kwargs)
             self.learner.on_theta_write = self._record
@@ -104,6 +107,7 @@ class DistributedLearner:
         self._clear()
         if self.shards is not None:
             self.shards.scatter(self._full, self.src, self.group)
+            self._optim.scatter(self.src, self.group)
         else:
             with torch.no_grad():
                 for t in self.params.values():
@@ -133,18 +137,24 @@ class DistributedLearner:
         self.t, self.tokens = state[0]["t"], state[0]["tokens"]
         self._gathers = state[0]
 
+    def _checkpoints_at(self, t: int) -> bool:
+        """Rank 0's learner checkpoints at step t (the same rule as `Learner.step`, known to every rank)."""
+        g = self._gathers
+        return bool(g["checkpoints"] and g["checkpoint_every"] and t % g["checkpoint_every"] == 0)
+
     def _reads_at(self, t: int) -> list[int]:
         """FSDP2: the fragments rank 0's learner reads at step t: those due to be sent, every one before a
-        checkpoint (the same rule as `Learner.step`, known to every rank)."""
-        g = self._gathers
-        if g["checkpoints"] and g["checkpoint_every"] and t % g["checkpoint_every"] == 0:
+        checkpoint."""
+        if self._checkpoints_at(t):
             return list(range(len(self.plan)))
+        g = self._gathers
         return due_at(t, g["offsets"], g["inner_steps"])
 
     def close(self) -> None:
         """Every rank: rank 0 leaves the swarm (after a last checkpoint, which an FSDP2 learner gathers first)."""
         if self.shards is not None and self._gathers.get("checkpoints"):
             self.shards.gather(range(len(self.plan)), self._full)
+            self._optim.gather()
         if self.learner is not None:
             self._clear()
             self.learner.close()
@@ -164,6 +174,8 @@ class DistributedLearner:
         self.tokens += total
         if self.shards is not None:
             self.shards.gather(self._reads_at(self.t), self._full)
+            if self._checkpoints_at(self.t):
+                self._optim.gather()
         if self.learner is not None:
             self._clear()
             self.learner.step(tokens=total, loss=mean_loss if loss is not None else None)

@@ -5,7 +5,8 @@ tests/test_distributed.py.
 
 Writes OUT_DIR/rank-<r>.json: the SHA-256 of all its parameters after every step at which the swarm changed θ
 (DDP: the rank's own; FSDP2: its shard), its eval loss before and after, its step and token counts, and under
-FSDP2 the SHA-256 of the whole θ gathered after `close` (which rank 0 has just checkpointed).
+FSDP2 the SHA-256 of the whole θ gathered after `close` (which rank 0 has just checkpointed) and of the whole
+optimizer state right after `start` and after `close` (rank 0's report).
 """
 
 from __future__ import annotations
@@ -34,8 +35,20 @@ def digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
         t = t.to_local() if isinstance(t, DTensor) else t
-        h.update(t.detach().contiguous().view(torch.uint8).numpy())
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+def optimizer_digest(model, opt) -> str | None:
+    """FSDP2, every rank: SHA-256 of the whole optimizer state (gathered on rank 0; None elsewhere), parameter by
+    parameter in the model's order, each one's state by key."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not full:
+        return None
+    state = full["state"]
+    return digest(state[n][k] for n, _ in model.named_parameters() if n in state for k in sorted(state[n]))
 
 
 def main() -> None:
@@ -52,6 +65,7 @@ def main() -> None:
     config = SwarmConfig(peers=[peer], member_ttl_s=4.0, member_refresh_s=1.0, member_poll_s=0.5, watch_s=1.0)
     ckpt = dict(checkpoint_dir=out / "ckpt", checkpoint_every=40) if fsdp else {}
     learner = DistributedLearner(ddp, opt, genesis, config=config, **ckpt).start()
+    started_optimizer = optimizer_digest(model, opt) if fsdp else None
     before = evaluate(model, task)
     (out / f"pid-{rank}").write_text(str(os.getpid()))
     batches = task.batches(learner=100 + rank)
@@ -72,6 +86,7 @@ def main() -> None:
         with torch.no_grad():
             full = {n: t.full_tensor() for n, t in model.named_parameters()}
         result["closed_digest"] = digest(full[n] for n in sorted(full))
+        result["started_optimizer"], result["closed_optimizer"] = started_optimizer, optimizer_digest(model, opt)
     (out / f"rank-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -103,6 +103,45 @@ def test_a_two_rank_fsdp2_learner_trains_with_the_swarm_and_its_shards_hold_what
     assert after < before - 0.5
 
 
+def _saved_optimizer_digest(ckpt) -> str:
+    h = hashlib.sha256()
+    for i in sorted(ckpt.optimizer["state"]):
+        for key in sorted(ckpt.optimizer["state"][i]):
+            h.update(ckpt.optimizer["state"][i][key].reshape(-1).contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+@pytest.mark.timeout(300)
+def test_a_relaunched_fsdp2_learner_resumes_its_inner_optimizer_state_from_rank_0s_checkpoint(tmp_path):
+    """The sharded AdamW state is gathered into rank 0's checkpoint (whole, by parameter) and, when the learner
+    comes back, every rank gets its shards of it: the optimizer state right after the second start is, bit for
+    bit, the one the first run closed with."""
+    spec, solo = _swarm_of_one(tmp_path, quorum=1)
+    try:
+        reports = []
+        for steps in (60, 1):
+            proc = _worker(spec, solo.url, tmp_path, steps, "fsdp")
+            while proc.poll() is None:
+                solo.train(5)
+            output = proc.stdout.read()
+            assert proc.returncode == 0, output[-4000:]
+            reports.append(json.loads((tmp_path / "rank-0.json").read_text()))
+            if steps == 60:
+                ckpt = load_latest(tmp_path / "ckpt")
+                assert ckpt is not None and ckpt.step == 60
+                params = dict(solo.model.named_parameters())  # (the same model, whole)
+                state = ckpt.optimizer["state"]
+                assert len(state) == len(params) and all(
+                    state[i]["exp_avg"].shape == p.shape for i, p in enumerate(params.values()))
+                saved = _saved_optimizer_digest(ckpt)
+    finally:
+        solo.learner.close()
+    first, second = reports
+    assert first["closed_optimizer"] == saved, "rank 0's checkpoint does not hold the optimizer state the ranks had"
+    assert second["started_optimizer"] == saved, "the relaunched ranks did not get the saved optimizer state back"
+    assert second["t"] == 61
+
+
 @pytest.mark.timeout(300)
 def test_a_rank_killed_takes_its_learner_down_and_the_swarm_goes_on(tmp_path):
     spec, solo = _swarm_of_one(tmp_path, quorum=1)

@@ -74,15 +74,21 @@ def nodes():
             n.kill()
 
 
-def two_learners_one_killed_after_its_checkpoint(tmp_path, nodes):
-    """A and B train; B checkpoints; both go on until B holds newer versions of every fragment; both are killed.
-    Returns (genesis, B's key, B's folder, B's checkpoint labels, the labels B held, A's anchor digests)."""
+def two_joined(tmp_path, nodes) -> tuple:
+    """A (folder a) and B (folder b, bootstrapped from A) of a new tiny run, each seeing both: (genesis, keys, a, b)."""
     genesis = tiny_run(quorum=2)
     keys = [Identity.generate() for _ in range(2)]
     a = Node(genesis, 0, tmp_path / "a", keys[0]).start()
     b = Node(genesis, 1, tmp_path / "b", keys[1], peers=[a.url]).start()
     nodes += [a, b]
     wait_until(lambda: all(len(n.learner.swarm.members.live()) == 2 for n in (a, b)), 20, "2 live members")
+    return genesis, keys, a, b
+
+
+def two_learners_one_killed_after_its_checkpoint(tmp_path, nodes):
+    """A and B train; B checkpoints; both go on until B holds newer versions of every fragment; both are killed.
+    Returns (genesis, B's key, B's folder, B's checkpoint labels, the labels B held, A's anchor digests)."""
+    genesis, keys, a, b = two_joined(tmp_path, nodes)
     for _ in range(2):
         for n in (a, b):
             n.train(10)
@@ -296,12 +302,7 @@ def test_after_every_learner_stopped_the_owners_take_their_momentum_from_the_che
     """A and B train, checkpoint and are both killed: no live copy of any fragment's outer momentum is left but
     the checkpoints'. Restarted, every owner has the momentum of its version at once (no pull that nobody can
     answer, no momentum started from zero): the very one held before where the owner saved it itself."""
-    genesis = tiny_run(quorum=2)
-    keys = [Identity.generate() for _ in range(2)]
-    a = Node(genesis, 0, tmp_path / "a", keys[0]).start()
-    b = Node(genesis, 1, tmp_path / "b", keys[1], peers=[a.url]).start()
-    nodes += [a, b]
-    wait_until(lambda: all(len(n.learner.swarm.members.live()) == 2 for n in (a, b)), 20, "2 live members")
+    genesis, keys, a, b = two_joined(tmp_path, nodes)
     for _ in range(3):
         for n in (a, b):
             n.train(10)
