@@ -3,6 +3,7 @@ from any other member is refused with 403 and changes nothing (coordinator/autho
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 
@@ -134,6 +135,16 @@ def test_a_member_that_may_not_own_a_fragment_cannot_publish_or_replicate_it(swa
         for n in nodes:
             n.train(10)
     wait_until(lambda: store.label(p).term > 0, 30, "a first version of the fragment")
+    # no training from here on: once the rounds already under way are published, nothing else moves p
+    seen = {"labels": None, "since": 0.0}
+
+    def quiet() -> bool:
+        labels = [list(n.learner.labels) for n in nodes]
+        if labels != seen["labels"]:
+            seen["labels"], seen["since"] = labels, time.monotonic()
+        return all(x == labels[0] for x in labels) and time.monotonic() - seen["since"] >= 3.0
+
+    wait_until(quiet, 40, "the same versions at every learner, unchanged for 3 s")
     base = store.label(p)
     anchor = store.read(p)[0].clone()
     move = torch.full_like(anchor, 1000.0)
