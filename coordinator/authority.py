@@ -47,14 +47,14 @@ def next_term(seen: int, peer_id: str) -> int:
     return term
 
 
-def check_term(label: Version, signer: str) -> None:
-    """`label` may be published by `signer`: a term of its own slot, below TERM_MAX. Raises `Unauthorized`."""
-    if label.term == 0:
+def check_term(term: int, signer: str) -> None:
+    """`signer` may publish in `term`: one of its own slot, below TERM_MAX. Raises `Unauthorized`."""
+    if term == 0:
         raise Unauthorized("term 0 is the genesis; no owner publishes in it")
-    if label.term >= TERM_MAX:
-        raise Unauthorized(f"term {label.term} is above the largest term {TERM_MAX}")
-    if term_slot(signer) != label.term % TERM_SLOTS:
-        raise Unauthorized(f"term {label.term} is in slot {label.term % TERM_SLOTS}, not in the signer's "
+    if term >= TERM_MAX:
+        raise Unauthorized(f"term {term} is above the largest term {TERM_MAX}")
+    if term_slot(signer) != term % TERM_SLOTS:
+        raise Unauthorized(f"term {term} is in slot {term % TERM_SLOTS}, not in the signer's "
                            f"({term_slot(signer)}): only the peer that took the fragment over publishes in it")
 
 
@@ -64,7 +64,7 @@ def check_update(p: int, base: Version, new: Version, signer: str, may_own: Call
 
     `may_own(p, peer)`: `peer` is p's owner or a replica in this peer's view; `is_live(peer)`: it is a live
     member in this view. `pushed`: the update was sent to us by its publisher (not fetched from a holder)."""
-    check_term(new, signer)
+    check_term(new.term, signer)
     if new.version != base.version + 1:
         raise Unauthorized(f"an update moves one outer step; {base} → {new} is not one")
     if new.term // TERM_SLOTS > base.term // TERM_SLOTS + TERM_BLOCKS_AHEAD:
@@ -80,7 +80,7 @@ def check_replication(p: int, term: int, label: Version, full: bool, signer: str
     `Unauthorized`. An owner replicates in its own term, to its replicas, so `signer` may own p here; a full
     state (a hand-over, or a replica that fell behind) may also come from the peer that published `label`
     and has since lost p to a newcomer."""
-    check_term(Version(term, 0), signer)
+    check_term(term, signer)
     if label.term > term or term // TERM_SLOTS > label.term // TERM_SLOTS + TERM_BLOCKS_AHEAD:
         raise Unauthorized(f"an owner in term {term} cannot replicate version {label}")
     if not may_own(p, signer) and not (full and label.term == term):

@@ -74,9 +74,13 @@ class Membership:
 
     def live(self) -> list[Member]:
         """Live members, this peer included."""
+        return self._unexpired(suspects=False)
+
+    def _unexpired(self, suspects: bool) -> list[Member]:
+        """Members whose record has not expired (suspects only if `suspects`), this peer included."""
         now = time.time()
         out = [m for m in self.members.values()
-               if m.expiration > now and m.peer_id not in self.suspects and m.peer_id != self.peer_id]
+               if m.expiration > now and (suspects or m.peer_id not in self.suspects) and m.peer_id != self.peer_id]
         out.append(Member(self.peer_id, self.own_record(), now + self.ttl_s))
         return out
 
@@ -102,10 +106,7 @@ class Membership:
         """`peer_id` is p's owner or a replica among every member whose record has not expired, suspects and
         joiners still downloading included: the roles as another peer may see them a poll interval earlier or
         later (who may publish in p: coordinator/authority.py)."""
-        now = time.time()
-        known = [m for m in self.members.values() if m.expiration > now and m.peer_id != self.peer_id]
-        known.append(Member(self.peer_id, self.own_record(), now + self.ttl_s))
-        return peer_id in owners(self.spec.run_id, p, known, self.spec.replicas)
+        return peer_id in owners(self.spec.run_id, p, self._unexpired(suspects=True), self.spec.replicas)
 
     def is_live(self, peer_id: str) -> bool:
         """`peer_id` has a record that has not expired (suspected or not)."""

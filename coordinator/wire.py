@@ -16,7 +16,7 @@ import torch
 
 from diloco.protocol import canonical
 from diloco.protocol.codecs import Codec
-from diloco.protocol.envelope import MAX_HEADER_BYTES, SIGNATURE_BYTES, join_bytes, register_kind
+from diloco.protocol.envelope import frame_limit, join_bytes, register_kind
 from diloco.protocol.errors import Malformed
 
 from .version import Version
@@ -198,8 +198,7 @@ def versions_body_max(P: int) -> int:
 def updates_body_max(codec_bytes: int, frames: int) -> int:
     """The longest body GET /v1/updates/{p} may answer: a canonical list of at most `frames` update envelopes,
     each carrying `codec_bytes` of payload (the run's codec for the fragment's size: `Codec.encoded_size`)."""
-    frame = 4 + MAX_HEADER_BYTES + SIGNATURE_BYTES + codec_bytes
-    return 8 + frames * (8 + frame)
+    return 8 + frames * (8 + frame_limit(codec_bytes))
 
 
 def tensor_payload_max(codec: Codec, numel: int) -> int:
@@ -210,8 +209,7 @@ def tensor_payload_max(codec: Codec, numel: int) -> int:
 def replicate_payload_max(codec: Codec, numel: int) -> int:
     """The largest `replicate` payload for such a fragment: an update frame and the momentum in the run's
     codec, or (the full form) a certificate and the fp32 anchor and momentum."""
-    frame = 4 + MAX_HEADER_BYTES + SIGNATURE_BYTES + codec.encoded_size(numel)
-    return max(frame + codec.encoded_size(numel), MAX_CERT + 8 * numel)
+    return max(frame_limit(codec.encoded_size(numel)) + codec.encoded_size(numel), MAX_CERT + 8 * numel)
 
 
 def fragment_body_max(numel: int) -> int:

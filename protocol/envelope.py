@@ -47,10 +47,14 @@ def payload_limit(kind: str) -> int:
     return _PAYLOAD_LIMITS.get(kind, DEFAULT_MAX_PAYLOAD)
 
 
+def frame_limit(payload: int) -> int:
+    """The largest frame that carries at most `payload` bytes of payload (prefix, largest header, signature)."""
+    return _PREFIX.size + MAX_HEADER_BYTES + SIGNATURE_BYTES + payload
+
+
 def max_frame_size() -> int:
     """The largest frame any registered kind allows: checked against Content-Length before reading."""
-    biggest = max([DEFAULT_MAX_PAYLOAD, *_PAYLOAD_LIMITS.values()])
-    return _PREFIX.size + MAX_HEADER_BYTES + SIGNATURE_BYTES + biggest
+    return frame_limit(max([DEFAULT_MAX_PAYLOAD, *_PAYLOAD_LIMITS.values()]))
 
 
 @dataclass(frozen=True)
@@ -296,8 +300,7 @@ class EnvelopeVerifier:
         size included: `kinds`, `max_payload` as in `check_header`) is verified before any payload byte is
         buffered; the digest is updated chunk by chunk.
         """
-        largest = max_frame_size() if max_payload is None else min(
-            max_frame_size(), _PREFIX.size + MAX_HEADER_BYTES + SIGNATURE_BYTES + max_payload)
+        largest = max_frame_size() if max_payload is None else min(max_frame_size(), frame_limit(max_payload))
         if content_length is not None and content_length > largest:
             raise TooLarge(f"message of {content_length} bytes exceeds the largest allowed here ({largest})")
         reader = _ChunkReader(chunks)

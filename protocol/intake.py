@@ -38,7 +38,8 @@ async def paced(chunks: AsyncIterator[bytes], *, grace_s: float | None = None, m
     while True:
         due = start + grace_s + got / min_rate  # when the next byte is late
         try:
-            chunk = await asyncio.wait_for(it.__anext__(), timeout=max(due - clock(), 0.0))
+            async with asyncio.timeout(max(due - clock(), 0.0)):  # (no task per chunk, unlike `wait_for`)
+                chunk = await it.__anext__()
         except StopAsyncIteration:
             return
         except TimeoutError:
@@ -67,7 +68,7 @@ class RefusedRequestLog(logging.Filter):
             self.left_out += 1
             return False
         self._last = now
-        reason = str(getattr(error, "message", "") or error).splitlines()[0][:200] if str(error) else "?"
+        reason = (getattr(error, "message", "") or str(error) or "?").splitlines()[0][:200]
         record.msg = "refused a malformed HTTP request (%s; %d more since the last such line)"
         record.args = (reason, self.left_out)
         record.exc_info, record.exc_text, record.levelno, record.levelname = None, None, logging.INFO, "INFO"
@@ -75,12 +76,8 @@ class RefusedRequestLog(logging.Filter):
         return True
 
 
-_installed = False
-
-
 def quiet_malformed_requests() -> None:
     """Install `RefusedRequestLog` on aiohttp's server logger (once per process)."""
-    global _installed
-    if not _installed:
-        logging.getLogger("aiohttp.server").addFilter(RefusedRequestLog())
-        _installed = True
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, RefusedRequestLog) for f in logger.filters):
+        logger.addFilter(RefusedRequestLog())
