@@ -15,11 +15,13 @@ with a `sink`) sets the deadline.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 from .errors import Malformed, PeerUnreachable, RemoteError, ResponseTooLarge
+from .tls import WrongPeer, check_peer
 
 MAX_HEAD = 64 * 1024  # status line and headers
 ERROR_BODY = 4096  # how much of an error answer's body is read (its first line is the reason)
@@ -40,16 +42,18 @@ class BodySink(Protocol):
     def end(self) -> None: ...
 
 
-def _decimal(text: str) -> bool:
-    """ASCII digits only: `str.isdigit` also takes '²' and other digits `int` refuses."""
-    return text.isascii() and text.isdigit()
+def _decimal(text: str, max_digits: int = 19) -> bool:
+    """1 to `max_digits` ASCII digits: `str.isdigit` also takes '²' and other digits `int` refuses, and `int`
+    refuses more than 4300 digits (ValueError) where a head may hold 64 KiB of them."""
+    return 0 < len(text) <= max_digits and text.isascii() and text.isdigit()
 
 
 def parse_head(head: bytes) -> tuple[int, int]:
     """(status, content length) of an HTTP/1.1 answer's status line and headers (without the blank line)."""
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not _decimal(parts[1]):
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or len(parts[1]) != 3 or not _decimal(parts[1]) \
+            or parts[1][0] == "0":  # (a status is 3 digits, 100-999: status 0 would read as "no head yet")
         raise Malformed(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
     headers: dict[str, str] = {}
     for line in lines[1:]:
@@ -71,10 +75,13 @@ def parse_head(head: bytes) -> tuple[int, int]:
 class _OneGet(asyncio.BufferedProtocol):
     """One GET on its own connection: the head into a small buffer, then the body into the sink."""
 
-    def __init__(self, url: str, path: str, sink: BodySink, limit: int, tally: Callable[[int], None] | None) -> None:
+    def __init__(self, url: str, path: str, sink: BodySink, limit: int, tally: Callable[[int], None] | None,
+                 headers: dict[str, str] | None = None, expected: str | None = None, tls: bool = False) -> None:
         self.url, self.path, self.sink, self.limit, self.tally = url, path, sink, limit, tally
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.request = (f"GET {path} HTTP/1.1\r\nHost: {urlsplit(url).netloc}\r\nAccept-Encoding: identity\r\n"
-                        "Connection: close\r\n\r\n").encode("latin-1")
+                        f"{extra}Connection: close\r\n\r\n").encode("latin-1")
+        self.tls, self.expected = tls, expected
         self.done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.head = bytearray(MAX_HEAD)
         self.head_len = 0
@@ -86,6 +93,13 @@ class _OneGet(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        if self.tls:  # (after the handshake: nothing is sent to a server that is not the expected peer)
+            try:
+                check_peer(self.transport.get_extra_info("ssl_object"), self.expected, self.url)
+            except WrongPeer as e:
+                self._finish(e)
+                self.transport.abort()
+                return
         self.transport.write(self.request)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -186,20 +200,29 @@ class _OneGet(asyncio.BufferedProtocol):
 
 
 async def get_into(url: str, path: str, sink: BodySink, limit: int, tally: Callable[[int], None] | None = None,
-                   connected: Callable[[], None] | None = None) -> int:
-    """GET `path` from the peer at `url` (http://host:port) into `sink`; returns the body's length.
+                   connected: Callable[[], None] | None = None, *, tls: tuple[ssl.SSLContext, str | None] | None = None,
+                   headers: dict[str, str] | None = None) -> int:
+    """GET `path` from the peer at `url` (http://host:port, or https:// with `tls`: the client context and
+    the PeerId expected there, None for any) into `sink`; returns the body's length. `headers`: extra request
+    headers (a signed read).
     `tally(n)` is told of every n body bytes read, also of an answer that then fails; `connected()` once the
     TCP connection is made (each bulk answer has its own: `Connection: close`).
 
     Raises `PeerUnreachable`, `ResponseTooLarge`, `RemoteError` (another status than 200: the sink sees
     nothing), a `ProtocolError` (a malformed head, or the sink's refusal) or `OSError` (no connection).
     Cancelling it (the caller's deadline) drops the connection."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise PeerUnreachable(f"{url!r} is not an http://host:port URL")
+    try:  # (a URL from a peer's own record: urlsplit and .port raise ValueError for "[::1" or port 99999)
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise PeerUnreachable(f"{url!r} is not a host:port URL: {e}") from None
+    if parts.scheme != ("https" if tls else "http") or not parts.hostname:
+        raise PeerUnreachable(f"{url!r} is not an {'https' if tls else 'http'}://host:port URL")
     loop = asyncio.get_running_loop()
-    transport, proto = await loop.create_connection(lambda: _OneGet(url, path, sink, limit, tally), parts.hostname,
-                                                    parts.port or 80)
+    expected = tls[1] if tls else None
+    transport, proto = await loop.create_connection(
+        lambda: _OneGet(url, path, sink, limit, tally, headers, expected, tls is not None), parts.hostname,
+        port or (443 if tls else 80), ssl=tls[0] if tls else None, server_hostname="" if tls else None)
     if connected is not None:
         connected()
     whole = False

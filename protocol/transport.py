@@ -11,11 +11,14 @@ Nothing here knows what a DHT or a delta is; nothing here ever deserializes with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from aiohttp import web
@@ -31,7 +34,12 @@ from .errors import (
     ResponseTooLarge,
     TransportError,
 )
+from .gate import LimitedRunner
 from .intake import paced, quiet_malformed_requests
+from .limits import Limiter, Limits
+from .reads import HEADER as READ_HEADER
+from .reads import ReadSigner, check_read
+from .tls import PeerCheck, WrongPeer, client_context
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +88,29 @@ def error_response(status: int, reason: str) -> web.Response:
 class PeerServer:
     """The one HTTP server of a peer. Call `add_*_route` before `start()`."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout_s: float = 5.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout_s: float = 5.0,
+                 ssl_context: ssl.SSLContext | None = None, limits: Limits | None = None) -> None:
         self.host = host
         self.port = port
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.ssl_context = ssl_context  # (tls.server_context: a private run's TLS)
+        self.reads: EnvelopeVerifier | None = None  # set: every GET needs a member's signature (`guard_reads`)
         self.counters = Counters()
         self.closing = False
-        self.app = web.Application(middlewares=[self._middleware], client_max_size=MAX_PLAIN_BODY)
+        self.limiter = Limiter(limits)  # (limits.py: caps and 429s before any other work; first middleware)
+        self.app = web.Application(middlewares=[self.limiter.middleware, self._middleware],
+                                   client_max_size=MAX_PLAIN_BODY)
         quiet_malformed_requests()
         self._runner: web.AppRunner | None = None
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.ssl_context else 'http'}://{host}:{self.port}"
+
+    def guard_reads(self, verifier: EnvelopeVerifier) -> None:
+        """Answer a GET (any path) only to a member who signed it (reads.check_read): a private run."""
+        self.reads = verifier
 
     def add_route(self, method: str, path: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
         self.app.router.add_route(method, path, handler)
@@ -137,6 +154,8 @@ class PeerServer:
             resp: web.StreamResponse = error_response(413, f"body of {request.content_length} bytes is too large")
         else:
             try:
+                if self.reads is not None and request.method != "POST":
+                    check_read(self.reads, request.method, request.raw_path, request.headers.get(READ_HEADER))
                 resp = await handler(request)
             except ProtocolError as e:
                 resp = error_response(e.status, e.reason)
@@ -154,11 +173,13 @@ class PeerServer:
         return resp
 
     async def start(self) -> None:
-        self._runner = web.AppRunner(
-            self.app, access_log=None, handle_signals=False, shutdown_timeout=self.shutdown_timeout_s
+        self._runner = LimitedRunner(  # (connections through the limiter's gate, which does the TLS after it)
+            self.app, self.limiter, ssl_context=self.ssl_context, access_log=None, handle_signals=False,
+            shutdown_timeout=self.shutdown_timeout_s,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port,  # (no ssl_context: TLS is the gate's, limits.py)
+                           backlog=self.limiter.limits.backlog)
         await site.start()
         sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no public getter
         if sockets:
@@ -183,7 +204,11 @@ class PeerClient:
         limit: int = 256,
         limit_per_host: int = 8,
         max_response: int = DEFAULT_MAX_RESPONSE,
+        tls: bool = False,
+        read_signer: ReadSigner | None = None,
     ) -> None:
+        """`tls`: every connection is TLS (whatever a URL's scheme says), its server checked by PeerId where
+        `expect` named one; `read_signer`: every GET carries this peer's signature (a private run)."""
         self.policy = policy or DeadlinePolicy()
         self.retries = retries
         self.max_response = max_response
@@ -191,6 +216,10 @@ class PeerClient:
         self.links: dict[str, LinkEstimator] = {}
         self._limit = (limit, limit_per_host)
         self._session: aiohttp.ClientSession | None = None
+        self.tls = client_context() if tls else None
+        self.read_signer = read_signer
+        self._expected: dict[str, str] = {}  # host:port -> the PeerId that must answer there
+        self._checks: dict[str | None, PeerCheck] = {}  # (one per PeerId: aiohttp pools connections by it)
 
     async def __aenter__(self) -> PeerClient:
         return self
@@ -220,6 +249,28 @@ class PeerClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def expect(self, url: str, peer_id: str) -> None:
+        """Only the peer `peer_id` may answer at `url` (from its signed member record): TLS checks it."""
+        with contextlib.suppress(ValueError):  # (a URL that does not parse is never connected to either)
+            self._expected[urlsplit(url).netloc] = peer_id
+
+    def tls_for(self, url: str) -> tuple[str, PeerCheck | None]:
+        """The URL to connect to and the check of its server: https and a PeerCheck when this client is TLS."""
+        if self.tls is None:
+            return url, None
+        try:
+            parts = urlsplit(url)
+        except ValueError:
+            raise PeerUnreachable(f"{url!r} is not an http(s)://host:port URL") from None
+        expected = self._expected.get(parts.netloc)
+        check = self._checks.get(expected)
+        if check is None:
+            check = self._checks[expected] = PeerCheck(expected)
+        return urlunsplit(("https", parts.netloc, parts.path, parts.query, parts.fragment)), check
+
+    def read_headers(self, method: str, path: str) -> dict[str, str]:
+        return {READ_HEADER: self.read_signer(method, path)} if self.read_signer is not None and method != "POST" else {}
 
     def link(self, url: str) -> LinkEstimator:
         est = self.links.get(url)
@@ -283,7 +334,10 @@ class PeerClient:
         try:
             async with asyncio.timeout(deadline):
                 if sink is not None:
-                    await get_into(url, path, sink, max_response, tally, connected=self._count_connection)
+                    target, check = self.tls_for(url)
+                    await get_into(target, path, sink, max_response, tally, connected=self._count_connection,
+                                   tls=(self.tls, check.expected) if check is not None else None,
+                                   headers=self.read_headers(method, path))
                     out = bytearray()
                 else:
                     status, out = await self._aiohttp(method, url, path, body, nbytes, max_response)
@@ -293,6 +347,9 @@ class PeerClient:
         except TimeoutError:
             self.counters.record("sent", path_label, received, nbytes, False)
             raise DeadlineExceeded(f"{url}{path} gave no complete answer within {deadline:.2f}s") from None
+        except aiohttp.ServerFingerprintMismatch as e:  # (tls.PeerCheck: the wrong peer answered)
+            self.counters.record("sent", path_label, received, nbytes, False)
+            raise WrongPeer(f"{url}{path}: {e.__cause__ or e}") from None
         except aiohttp.ClientError as e:
             self.counters.record("sent", path_label, received, nbytes, False)
             raise PeerUnreachable(f"{url}{path}: {type(e).__name__}: {e}") from None
@@ -315,8 +372,11 @@ class PeerClient:
         self, method: str, url: str, path: str, body, nbytes: int, max_response: int
     ) -> tuple[int, bytearray]:
         data = body if isinstance(body, bytes) else _stream(body)
-        headers = {"Content-Length": str(nbytes), "Content-Type": "application/octet-stream"}
-        async with self.session.request(method, url + path, data=data, headers=headers) as resp:
+        headers = {"Content-Length": str(nbytes), "Content-Type": "application/octet-stream",
+                   **self.read_headers(method, path)}
+        target, check = self.tls_for(url)
+        async with self.session.request(method, target + path, data=data, headers=headers,
+                                        ssl=check if check is not None else True) as resp:
             if resp.content_length is not None and resp.content_length > max_response:
                 raise ResponseTooLarge(f"{url}{path} answered {resp.content_length} bytes (limit {max_response})")
             return resp.status, await _read_body(resp, max_response, f"{url}{path}")

@@ -16,7 +16,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +69,9 @@ class DHTNode:
         network_id: bytes = DEFAULT_NETWORK_ID,
         config: DHTConfig | None = None,
         storage: DHTStorage | None = None,
+        is_member: Callable[[bytes], bool] | None = None,
     ) -> None:
+        """`is_member`: whose requests this node's server answers (a private run's members; None: anyone's)."""
         self.identity = identity
         self.client = client
         self.server = server
@@ -89,7 +91,8 @@ class DHTNode:
         self._maintenance: asyncio.Task | None = None
         self._owns_server = False
         if server is not None:
-            server.add_envelope_route(DHT_ROUTE, EnvelopeVerifier(network_id), self._handle, kinds={"dht"})
+            server.add_envelope_route(DHT_ROUTE, EnvelopeVerifier(network_id, is_member=is_member), self._handle,
+                                      kinds={"dht"})
 
     @classmethod
     async def start(
