@@ -3,9 +3,11 @@
 Each peer keeps its record under `run:<id>:members` (subkey = its PeerId, so only it can write it), refreshed
 well inside its TTL, and marked `left` when it stops. A peer is live while its record is, unless a request to
 it failed since its last refresh (suspected): a killed owner is routed around at once instead of after its
-TTL. A record of a peer outside an allowlist run is ignored. Roles (owner and replicas of each fragment)
-follow from the live set by rendezvous hashing (`ownership.py`); `on_change` callbacks fire when the live
-set changes.
+TTL. In an `allowlist` run a record of a peer the `Roster` does not admit is ignored: the roster follows the
+certificates and the newest amendment found under `run:<id>:auth` (coordinator/certs.py), polled with the
+member records, so a revocation takes effect at every peer's next poll, without a restart. Roles (owner and
+replicas of each fragment) follow from the live set by rendezvous hashing (`ownership.py`); `on_change`
+callbacks fire when the live set changes.
 """
 
 from __future__ import annotations
@@ -14,20 +16,36 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from diloco.protocol.dht.node import DHTNode
-from diloco.protocol.errors import ProtocolError
-from diloco.protocol.identity import peer_id_of
-from diloco.protocol.transport import PeerUnreachable, TransportError
+from aiohttp import web
 
+from diloco.protocol import canonical
+from diloco.protocol.dht.node import DHTNode
+from diloco.protocol.dht.records import ValueRecord
+from diloco.protocol.errors import BackPressure, Malformed, NotMember, ProtocolError, TooLarge, WrongRun
+from diloco.protocol.identity import Identity, peer_id_of
+from diloco.protocol.transport import PeerClient, PeerServer, PeerUnreachable, RemoteError, TransportError
+
+from .certs import Amendment, AuthRecord, Certificate, Roster, auth_key
 from .ownership import owners
 from .runspec import RunSpec
 from .wire import MemberRecord, members_key
 
 log = logging.getLogger(__name__)
+ROUTE_AUTH = "/v1/auth"  # POST a signed auth record: a certified joiner's first contact, or a new amendment
+MAX_AUTH_BODY = 64 * 1024
+AUTH_AT_ONCE = 4  # auth posts verified at the same time (each costs two or three signature checks)
+RELAY_S = 5.0  # how long an auth post waits for the record's relay into the DHT
+AMENDMENT_RECORD_S = 23 * 3600  # the creator's own record of an amendment (the DHT keeps values 24 h at most;
+# every peer that adopted it relays it under its own subkey, refreshed with its member record)
+
+
+class CertificateRefused(Exception):
+    """This peer's own certificate is not valid for the run, or every bootstrap peer refused it."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +63,39 @@ class Member:
         return self.record.url
 
 
+async def post_auth(client: PeerClient, record: ValueRecord, urls: list[str], what: str) -> int | None:
+    """POST a signed auth record to the first of `urls` that takes it; returns the amendment seq that peer holds
+    now (None: nobody answered, or an answer without one). Raises `CertificateRefused` when every peer that
+    answered refused it (401, 403, 409)."""
+    body = canonical.packb(record.to_wire())
+    refusals = []
+    for url in urls:
+        try:
+            answer = await client.request("POST", url, ROUTE_AUTH, body=body, deadline_s=10.0, max_response=1024)
+        except RemoteError as e:
+            if e.status in (401, 403, 409):
+                refusals.append(f"{url} answered {e.status}: {e.reason}")
+                continue
+            return None  # (busy, or a peer without the route: what follows decides)
+        except TransportError:
+            continue
+        seq = bytes(answer).decode("ascii", "replace").rpartition("amendment ")[2]
+        return int(seq) if seq.isdigit() else None
+    if refusals:
+        raise CertificateRefused(f"the peers refused {what}: " + "; ".join(refusals))
+    return None
+
+
+async def post_amendment(creator: Identity, spec: RunSpec, amendment: Amendment, urls: list[str]) -> int | None:
+    """The creator's side of an amendment: post it (in its own signed auth record) to the first running peer of
+    `urls` that takes it; that peer adopts it and relays it into the DHT. Returns the amendment seq that peer
+    holds now (above `amendment.seq`: a newer one exists), None if nobody answered."""
+    record = ValueRecord.create(creator, auth_key(spec.run_id), AuthRecord(None, amendment).encode(),
+                                time.time() + AMENDMENT_RECORD_S, subkey=creator.peer_id)
+    async with PeerClient(retries=1, tls=spec.membership == "allowlist") as client:
+        return await post_auth(client, record, urls, "the amendment")
+
+
 class Membership:
     """The live members of one run, as this peer sees them."""
 
@@ -57,7 +108,12 @@ class Membership:
         ttl_s: float = 30.0,
         refresh_s: float = 10.0,
         poll_s: float = 2.0,
+        certificate: Certificate | None = None,
+        roster: Roster | None = None,
     ) -> None:
+        """`certificate`: this peer's membership certificate (allowlist runs), published under `auth_key`;
+        `roster`: the admission state to keep current (one the DHT node's server already asks), else a new one.
+        Raises `CertificateRefused` for a certificate that is not this peer's, or not valid for the run now."""
         self.dht, self.spec, self.own_record = dht, spec, own_record
         self.ttl_s, self.refresh_s, self.poll_s = ttl_s, refresh_s, poll_s
         self.peer_id = dht.identity.peer_id
@@ -65,7 +121,19 @@ class Membership:
         self.members: dict[str, Member] = {}
         self.suspects: dict[str, float] = {}  # peer_id -> the record expiration it had when suspected
         self.on_change: list[Callable[[], None]] = []
-        self._allowed = None if spec.membership == "open" else {peer_id_of(k) for k in (*spec.allowlist, spec.creator)}
+        self.roster = roster or Roster(spec)
+        self.certificate = certificate
+        if certificate is not None:
+            if certificate.peer != dht.identity.public_key:
+                raise CertificateRefused(f"the certificate is for {peer_id_of(certificate.peer)}, not for this "
+                                         f"peer's key ({self.peer_id}): pass the key it was issued to")
+            try:
+                self.roster.present(certificate)
+            except ProtocolError as e:
+                raise CertificateRefused(f"membership certificate refused: {e.reason}") from None
+        self._auth_running = 0
+        self._auth_until = 0.0  # our auth record's expiration, once stored
+        self._revoked_warned = False
         self._live_ids: frozenset[tuple[str, bool]] = frozenset()
         self._published_until: float | None = None  # our record's expiration, once stored
         self.polls = 0
@@ -129,10 +197,29 @@ class Membership:
         self.suspects[peer_id] = m.expiration
         self.changed()
 
+    def distrust(self, peer_id: str) -> None:
+        """Route around `peer_id` for as long as its record lasts, refreshed or not (it published an update this
+        peer refused, coordinator/audit.py): it owns nothing in this peer's view, its fragments move to their
+        replicas here. A suspect at time ∞ is dropped only when its record expires."""
+        if peer_id != self.peer_id and peer_id in self.members:
+            log.warning("distrusting %s: it published an update this peer refused", peer_id[:8])
+            self.suspects[peer_id] = math.inf
+            self.changed()
+
     # -- DHT I/O --------------------------------------------------------------------------------------------
 
     async def publish(self) -> None:
         await self._store(self.own_record())
+        await self.present()
+
+    async def present(self) -> None:
+        """Store our auth record (our certificate, the newest amendment we know) if we have either: others
+        admit a certified key only once they have read it, and relaying the amendment keeps it in the DHT."""
+        if self.roster.open or (self.certificate is None and self.roster.amendment is None):
+            return
+        record = AuthRecord(self.certificate, self.roster.amendment)
+        self._auth_until = max(time.time() + self.ttl_s, self._auth_until + 1e-3)
+        await self.dht.store(auth_key(self.spec.run_id), record.encode(), self._auth_until, subkey=self.peer_id)
 
     async def withdraw(self) -> None:
         """Leaving: store our record once more with `left` set, so readers drop us at their next poll instead
@@ -147,11 +234,16 @@ class Membership:
         await self.dht.store(self.key, record.encode(), expiration, subkey=self.peer_id)
 
     async def poll(self) -> None:
-        raw = await self.dht.get(self.key, latest=True)
+        if self.roster.open:
+            raw = await self.dht.get(self.key, latest=True)
+        else:  # (the auth records first: a certificate or an amendment decides which member records count)
+            raw, auth = await asyncio.gather(self.dht.get(self.key, latest=True),
+                                             self.dht.get(auth_key(self.spec.run_id), latest=True))
+            self._learn(auth)
         found: dict[str, Member] = {}
         if isinstance(raw, dict):
             for peer_id, (value, expiration) in raw.items():
-                if self._allowed is not None and peer_id not in self._allowed:
+                if not self.roster.admits_peer(peer_id):
                     continue
                 try:
                     record = MemberRecord.decode(value)
@@ -167,6 +259,73 @@ class Membership:
                 del self.suspects[peer_id]
         self.polls += 1
         self.changed()
+
+    def _learn(self, auth: object) -> None:
+        """Take the certificates and the newest amendment out of the auth records of a poll."""
+        seq = self.roster.amendment.seq if self.roster.amendment else 0
+        if isinstance(auth, dict):
+            for peer_id, (value, _) in auth.items():
+                try:
+                    self.roster.learn(peer_id, AuthRecord.decode(value))
+                except ProtocolError as e:
+                    log.debug("ignoring auth record of %s: %s", peer_id[:8], e)
+        self.roster.forget_expired()
+        a = self.roster.amendment
+        if a is not None and a.seq > seq:
+            log.info("run amendment %d adopted: %d keys revoked, %d added", a.seq, len(a.revoke), len(a.allow))
+            if not self._revoked_warned and not self.roster.admits(self.dht.identity.public_key):
+                self._revoked_warned = True
+                log.warning("the run's creator revoked this peer's key (amendment %d): every other member now "
+                            "refuses its messages", a.seq)
+
+    # -- first contact: POST /v1/auth ---------------------------------------------------------------------
+
+    def auth_record(self) -> ValueRecord:
+        """Our auth record, signed as the DHT stores it (what `introduce` posts)."""
+        record = AuthRecord(self.certificate, self.roster.amendment)
+        return ValueRecord.create(self.dht.identity, auth_key(self.spec.run_id), record.encode(),
+                                  time.time() + self.ttl_s, subkey=self.peer_id)
+
+    async def introduce(self, client: PeerClient, urls: list[str]) -> None:
+        """Before the join: show our certificate to the bootstrap peers, which admit us and relay it into the
+        DHT (in a private run the DHT answers members only, so a certified key could not even bootstrap).
+        Raises `CertificateRefused` when every peer that answered refused it (401/403/409)."""
+        if self.certificate is not None and not self.roster.open and urls:
+            await post_auth(client, self.auth_record(), urls, "this peer's certificate")
+
+    def serve(self, server: PeerServer) -> None:
+        server.add_route("POST", ROUTE_AUTH, self._serve_auth)
+
+    async def _serve_auth(self, request: web.Request) -> web.Response:
+        """A signed auth record (its signer's certificate and/or an amendment): verified, taken into the roster,
+        relayed into the DHT. 403 unless the signer is admitted afterwards (a stranger, a revoked key)."""
+        if self.roster.open:
+            raise NotMember("this run is open: it has no certificates")
+        if request.content_length is None or request.content_length > MAX_AUTH_BODY:
+            raise TooLarge(f"an auth record is at most {MAX_AUTH_BODY} bytes, with a Content-Length")
+        if self._auth_running >= AUTH_AT_ONCE:
+            raise BackPressure(f"at most {AUTH_AT_ONCE} auth records are checked at a time")
+        self._auth_running += 1
+        try:
+            record = ValueRecord.from_wire(canonical.unpackb(await request.read(), max_len=MAX_AUTH_BODY))
+            if record.key != auth_key(self.spec.run_id) or record.subkey != record.signer_id:
+                raise WrongRun("not an auth record of this run under its signer's own subkey")
+            auth = AuthRecord.decode(record.value)
+            if auth.certificate is not None:
+                if auth.certificate.peer != record.signer:
+                    raise Malformed("the certificate is not the signer's")
+                self.roster.present(auth.certificate)
+            if auth.amendment is not None:
+                self.roster.adopt(auth.amendment)
+            if not self.roster.admits(record.signer):
+                raise NotMember(f"peer {record.signer_id} is not a member of this run (no valid certificate, "
+                                "or revoked)")
+            with contextlib.suppress(TransportError, ProtocolError, asyncio.TimeoutError):
+                await asyncio.wait_for(self.dht.store_record(record), RELAY_S)
+        finally:
+            self._auth_running -= 1
+        seq = self.roster.amendment.seq if self.roster.amendment else 0
+        return web.Response(body=f"admitted; amendment {seq}".encode(), content_type="text/plain")
 
     async def run(self) -> None:
         """Refresh our record and poll the others, forever (cancelled at shutdown)."""

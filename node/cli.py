@@ -181,7 +181,9 @@ def _load_run(path: Path):
 @click.option("--seed", default=0, show_default=True, help="Seed of the initial parameters.")
 @click.option("--synchronous", is_flag=True, help="The synchronous baseline: every outer step waits for all "
               "--quorum learners (no grace window), learners wait for their merges and checkpoint at a barrier.")
-@click.option("--allow", multiple=True, help="Hex public key allowed to join (repeatable); makes the run allowlist-only.")
+@click.option("--allow", multiple=True, help="Hex public key allowed to join (repeatable); makes the run "
+              "allowlist-only, and private: TLS on every connection, bound to each peer's key, and reads only for "
+              "members. Without --allow the run is open: any key joins, over plain HTTP.")
 @click.option("--key", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_KEY, show_default=True,
               help="The creator's key file (created if missing); it signs the spec.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("run.spec"), show_default=True)
@@ -258,10 +260,14 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
 @click.option("--pace", "pace_s", default=0.0, hidden=True, help="Seconds every inner step lasts at least "
               "(an emulated fixed-speed chip; the chaos harness uses it).")
 @click.option("--standalone", is_flag=True, hidden=True, help="Train alone, without a swarm (nominal rate).")
+@click.option("--cert", "cert_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Membership certificate of --key (`diloco-node certify`): joins an allowlist run that does "
+              "not list the key. Allowlist runs are private: TLS bound to each peer's key, signed reads; open "
+              "runs stay on plain HTTP.")
 def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ...], key: Path | None,
          data: str | None, device: str, precision: str, fsdp: bool, checkpoint_dir: Path | None,
          checkpoint_every: int, client_mode: bool, region: str, steps: int, progress_every: int, eval_every: int, as_json: bool, fast_membership: bool,
-         wait_for_peers: float, slowdown: float, pace_s: float, standalone: bool) -> None:
+         wait_for_peers: float, slowdown: float, pace_s: float, standalone: bool, cert_path: Path | None) -> None:
     """Join a run as a learner (and syncer shard) and train the run's task."""
     from .learner import SyncTimeout
     from .swarm import JoinError
@@ -285,30 +291,197 @@ def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ..
     # under torchrun only rank 0 is the swarm member: the others never sign anything, and must not race it
     # to create the key file
     identity = load_identity(key) if os.environ.get("RANK", "0") == "0" else Identity.generate()
+    if cert_path is not None:
+        cfg.certificate = _load_cert(cert_path, genesis.spec, identity, key)
     try:
         train(genesis, identity, cfg, opts)
     except (JoinError, SyncTimeout) as e:
         raise UserError(str(e)) from None
 
 
+def _load_cert(path: Path, spec, identity: Identity, key: Path | None):
+    """The certificate at `path`, checked for this run, this key and now: one-line errors."""
+    from diloco.coordinator.certs import Certificate
+    from diloco.protocol.errors import ProtocolError
+
+    try:
+        cert = Certificate.load(path)
+        if cert.peer != identity.public_key:
+            whose = f"--key {key}" if key else "a fresh key (pass --key with the key it was issued to)"
+            raise UserError(f"certificate {path} is for another key than {whose}")
+        cert.verify(spec)
+    except ProtocolError as e:
+        raise UserError(f"certificate {path}: {e.reason}") from None
+    return cert
+
+
+def _public_key(value: str, flag: str) -> bytes:
+    try:
+        key = bytes.fromhex(value)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise UserError(f"{flag} {value[:80]!r} is not a public key: 64 hex digits, as `diloco-node keygen` prints")
+    return key
+
+
+def _creator(key: Path, spec) -> Identity:
+    """The run creator's existing key (never created here)."""
+    try:
+        ident = Identity.load(key)
+    except KeyFileError as e:
+        raise UserError(str(e)) from None
+    if ident.public_key != spec.creator:
+        raise UserError(f"--key {key} is not this run's creator's key (the spec was signed by another key)")
+    if spec.membership != "allowlist":
+        raise UserError("this run is open (it admits every key): certificates and amendments are for runs "
+                        "created with --allow")
+    return ident
+
+
+@main.command()
+@click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The signed run spec (`diloco-node init-run`); an allowlist run.")
+@click.option("--key", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_KEY, show_default=True,
+              help="The run creator's key file (the one that signed the spec).")
+@click.option("--peer", "peer_hex", required=True, help="Hex public key to admit (as `diloco-node keygen` prints).")
+@click.option("--days", required=True, type=click.FloatRange(min=0, min_open=True),
+              help="Days the certificate is valid from now (a clock skew of 60 s is allowed at both ends).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the certificate. Default: PEERID12.cert in the current directory.")
+def certify(run_path: Path, key: Path, peer_hex: str, days: float, out: Path | None) -> None:
+    """Admit a key to an allowlist run without a new run id: write a membership certificate.
+
+    The creator signs [run id, peer key, not_before, not_after] (docs/protocol.md §7.18). The peer joins with
+    `diloco-node join --run SPEC --key ITS_KEY --cert FILE`, and shows the certificate to the others, which
+    admit it until it expires or an amendment (`diloco-node amend --revoke`) revokes the key.
+    """
+    from datetime import UTC, datetime
+
+    from diloco.coordinator.certs import Certificate
+    from diloco.protocol.identity import peer_id_of
+
+    genesis = _load_run(run_path)
+    peer = _public_key(peer_hex, "--peer")
+    try:
+        cert = Certificate.issue(_creator(key, genesis.spec), genesis.spec, peer, days)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    out = out or Path(f"{peer_id_of(peer)[:12]}.cert")
+    try:
+        cert.save(out)
+    except OSError as e:
+        raise UserError(f"cannot write {out}: {e.strerror or e}") from None
+    until = datetime.fromtimestamp(cert.not_after, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    click.echo(f"peer_id: {peer_id_of(peer)}")
+    click.echo(f"valid_until: {until}")
+    click.echo(f"certificate: {out}  (the peer joins with: diloco-node join --run {run_path} --key ITS_KEY "
+               f"--cert {out} --peers HOST:PORT)")
+
+
+@main.command()
+@click.option("--run", "run_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The signed run spec (`diloco-node init-run`); an allowlist run.")
+@click.option("--key", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_KEY, show_default=True,
+              help="The run creator's key file (the one that signed the spec).")
+@click.option("--revoke", multiple=True, help="Hex public key to refuse from now on, listed or certified "
+              "(repeatable).")
+@click.option("--allow", multiple=True, help="Hex public key to admit as if the spec listed it (repeatable).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The amendment file: read as the previous amendment if it exists, then replaced by the new "
+              "one. Default: SPEC.amend next to the spec.")
+@click.option("--peers", multiple=True, help="HOST:PORT (or URL) of a running peer of the run (repeatable): "
+              "the amendment is posted to the first that takes it, which relays it into the DHT.")
+def amend(run_path: Path, key: Path, revoke: tuple[str, ...], allow: tuple[str, ...], out: Path | None,
+          peers: tuple[str, ...]) -> None:
+    """Revoke or add keys of an allowlist run without a new run id: sign the next amendment of its spec.
+
+    An amendment holds every change since the genesis (the previous one's lists with this command's applied)
+    and a sequence number one above the previous; peers keep the highest. Every peer reads it from the DHT at
+    its next member poll (2 s), without a restart: from then on a revoked key's messages get 403 and its
+    member record is ignored (so it owns nothing). Without --revoke or --allow, the existing file is posted
+    again. Without --peers, only the file is written.
+    """
+    import asyncio
+
+    from diloco.coordinator.certs import Amendment
+    from diloco.coordinator.membership import CertificateRefused, post_amendment
+    from diloco.protocol.errors import ProtocolError
+
+    genesis = _load_run(run_path)
+    creator = _creator(key, genesis.spec)
+    out = out or run_path.with_name(run_path.name + ".amend")
+    previous = None
+    if out.exists():
+        try:
+            previous = Amendment.load(out)
+            previous.verify(genesis.spec)
+        except ProtocolError as e:
+            raise UserError(f"previous amendment {out}: {e.reason}") from None
+    revoked = [_public_key(k, "--revoke") for k in revoke]
+    allowed = [_public_key(k, "--allow") for k in allow]
+    if revoked or allowed:
+        try:
+            amendment = Amendment.issue(creator, genesis.spec, revoke=revoked, allow=allowed, previous=previous)
+        except (ValueError, ProtocolError) as e:
+            raise UserError(str(getattr(e, "reason", e))) from None
+        amendment.save(out)
+    elif previous is None:
+        raise UserError(f"nothing to amend: pass --revoke or --allow (there is no {out} to post again)")
+    else:
+        amendment = previous
+    click.echo(f"amendment: {out}  seq {amendment.seq}, {len(amendment.revoke)} keys revoked, "
+               f"{len(amendment.allow)} added")
+    if not peers:
+        return
+    try:
+        held = asyncio.run(post_amendment(creator, genesis.spec, amendment, [_peer_url(p) for p in peers]))
+    except CertificateRefused as e:
+        raise UserError(str(e)) from None
+    if held is None:
+        raise UserError("no peer took the amendment (none answered); try other --peers, or later")
+    if held > amendment.seq:
+        raise UserError(f"the swarm holds amendment {held}, newer than {out} (seq {amendment.seq}): amend from "
+                        "the newest file, or the peers keep theirs")
+    click.echo(f"published: the swarm holds amendment {held}")
+
+
 @main.command()
 @click.argument("url")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw /v1/status JSON.")
-def status(url: str, as_json: bool) -> None:
-    """Print a peer's view of the swarm (GET URL/v1/status)."""
+@click.option("--run", "run_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="The run's spec: for an allowlist (private) run, whose peers speak TLS and answer only reads "
+              "a member signs (with --key).")
+@click.option("--key", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A member's key file, to sign the read of a private run.")
+def status(url: str, as_json: bool, run_path: Path | None, key: Path | None) -> None:
+    """Print a peer's view of the swarm (GET URL/v1/status). A private run's peer answers only a member:
+    give --run and --key."""
     import asyncio
     import json as _json
 
-    from diloco.protocol.transport import PeerClient, TransportError
+    from diloco.protocol.errors import ProtocolError
+    from diloco.protocol.reads import ReadSigner
+    from diloco.protocol.transport import PeerClient, RemoteError, TransportError
+
+    spec = _load_run(run_path).spec if run_path is not None else None
+    private = spec is not None and spec.membership == "allowlist"
+    if private and key is None:
+        raise UserError("this run is private: give --key with a member's key file to sign the read")
+    signer = ReadSigner(load_identity(key), spec.run_id) if spec is not None and private and key else None
 
     async def fetch() -> dict:
-        async with PeerClient(retries=1) as client:
+        async with PeerClient(retries=1, tls=private, read_signer=signer) as client:
             return _json.loads(await client.request("GET", _peer_url(url), "/v1/status", deadline_s=10))
 
     try:
         st = asyncio.run(fetch())
-    except TransportError as e:
-        raise UserError(f"cannot get status from {url}: {e}") from None
+    except RemoteError as e:
+        hint = " (a private run's peer: give --run and --key of a member)" if e.status == 403 else ""
+        raise UserError(f"cannot get status from {url}: {e}{hint}") from None
+    except (TransportError, ProtocolError) as e:
+        hint = "" if private else " (an https:// peer of a private run: give --run and --key)"
+        raise UserError(f"cannot get status from {url}: {e}{hint if url.startswith('https') else ''}") from None
     if as_json:
         click.echo(_json.dumps(st, indent=2))
         return

@@ -23,6 +23,7 @@ import torch
 from aiohttp import web
 
 from diloco.coordinator.buffers import BufferPool
+from diloco.coordinator.certs import Certificate, Roster
 from diloco.coordinator.fragments import Encoded, FragmentStore
 from diloco.coordinator.membership import Membership
 from diloco.coordinator.plan import FragmentPlan
@@ -33,8 +34,11 @@ from diloco.coordinator.version import Version
 from diloco.coordinator.wire import ROUTE_STATUS, MemberRecord
 from diloco.protocol.codecs import get_codec
 from diloco.protocol.dht.node import BootstrapFailed, DHTNode
+from diloco.protocol.envelope import EnvelopeVerifier
 from diloco.protocol.errors import ProtocolError
 from diloco.protocol.identity import Identity
+from diloco.protocol.reads import READ, ReadSigner
+from diloco.protocol.tls import server_context
 from diloco.protocol.transport import PeerClient, PeerServer, TransportError
 
 from . import reach
@@ -79,6 +83,14 @@ class SwarmConfig:
     bootstrap_wait_s: float = 0.0  # keep trying `peers` this long (a fleet whose peers start together)
     known_peers: list[str] = field(default_factory=list)  # URLs of members seen before a restart (checkpoint):
     # tried with `peers` at the join but not required to answer, and pinged while not seen (`_reconnect`)
+    private: bool | None = None  # TLS on every connection and signed reads; None: iff the run is an allowlist
+    certificate: Certificate | None = None  # this key's membership certificate (`diloco-node certify`): an
+    # allowlist run whose spec does not list the key admits it with one (coordinator/certs.py)
+
+
+def is_private(spec: RunSpec, config: SwarmConfig) -> bool:
+    """Whether this peer's traffic is TLS and its reads signed: an `allowlist` run's, unless told otherwise."""
+    return spec.membership == "allowlist" if config.private is None else config.private
 
 
 @dataclass
@@ -127,6 +139,8 @@ class Swarm:
         self.server: PeerServer | None = None
         self.client: PeerClient | None = None
         self.dht: DHTNode | None = None
+        self.roster = Roster(spec)  # who is admitted now: every verifier of this peer asks it (certificates,
+        # amendments: coordinator/certs.py); `members` keeps it current
         self.members: Membership | None = None
         self.sync: FragmentSync | None = None
         self.shard: Shard | None = None
@@ -207,7 +221,9 @@ class Swarm:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
-        self.client = PeerClient()
+        private = is_private(self.spec, self.config)
+        self.client = PeerClient(tls=private, read_signer=ReadSigner(self.identity, self.spec.run_id) if private
+                                 else None)
         try:
             await self._open_server()
             await self._join()
@@ -243,21 +259,30 @@ class Swarm:
         if cfg.client_mode:
             self.client_mode = True
         else:
-            self.server = PeerServer(cfg.host, cfg.port)
-        self.dht = DHTNode(self.identity, self.client, server=self.server, region=cfg.region)
+            private = is_private(self.spec, cfg)
+            self.server = PeerServer(cfg.host, cfg.port, ssl_context=server_context(self.identity) if private else None)
+            if private:  # (a non-member is refused on every route: reads here, envelopes by their verifiers)
+                self.server.guard_reads(EnvelopeVerifier(self.spec.run_id, is_member=self.roster.admits,
+                                                         kinds={READ}))
+        members_only = self.roster.admits if self.spec.membership == "allowlist" else None
+        self.dht = DHTNode(self.identity, self.client, server=self.server, region=cfg.region, is_member=members_only)
         self.members = Membership(self.dht, self.spec, self._member_record, ttl_s=cfg.member_ttl_s,
-                                  refresh_s=cfg.member_refresh_s, poll_s=cfg.member_poll_s)
+                                  refresh_s=cfg.member_refresh_s, poll_s=cfg.member_poll_s,
+                                  certificate=cfg.certificate, roster=self.roster)
         self.members.on_change.append(self._remember_members)
         self.sync = FragmentSync(self.identity, self.spec, self.store, self.members, self.client, self.server,
                                  self.codec, self.pool)
         self.sync.journal = self.journal
+        self.sync.verifier.is_member = self.roster.admits  # (certificates and amendments: the roster's view)
         if self.server is not None:
             self.shard = Shard(self.identity, self.spec, self.plan, self.store, self.members, self.client,
                                self.server, self.sync, self.codec, self.pool)
             for p, (label, momentum) in self._restored_momenta.items():
                 self.shard.replication.restore(p, label, momentum)
             self.server.add_route("GET", ROUTE_STATUS, self._serve_status)
-            reach.ReachProbe(self.spec, self.client, self.server)
+            probe = reach.ReachProbe(self.spec, self.client, self.server)
+            self.members.serve(self.server)
+            self.shard.verifier.is_member = probe.verifier.is_member = self.roster.admits
             try:
                 await self.server.start()
             except OSError as e:
@@ -271,6 +296,7 @@ class Swarm:
         urls = list(dict.fromkeys([*cfg.peers, *(u for u in cfg.known_peers if u != self.url)]))
         while urls:
             try:
+                await self.members.introduce(self.client, cfg.peers)  # (a certified key: before the DHT)
                 await self.dht.bootstrap(urls, lookup=False)
                 break
             except BootstrapFailed as e:
@@ -350,6 +376,7 @@ class Swarm:
         now = time.time()
         for m in self.members.servers():
             self._seen_urls[m.url] = now
+            self.client.expect(m.url, m.peer_id)  # (a private run's TLS: only that peer may answer there)
         if len(self._seen_urls) > KNOWN_URLS_KEPT:
             for url in sorted(self._seen_urls, key=self._seen_urls.get)[:-KNOWN_URLS_KEPT]:
                 del self._seen_urls[url]
