@@ -56,6 +56,7 @@ class MergeResult:
     clipped: int  # how many deltas had their norm clipped to c·median
     total_tokens: int
     norms: list[float]  # ‖s_m Δ_m‖, the norms merged (after clipping): the next rounds' clipping reference
+    limit: float = math.inf  # λ, the norm every delta was clipped to (published: a replica recomputes with it)
 
 
 def token_weight(tokens: int, steps: int, staleness: int = 0) -> float:
@@ -101,11 +102,17 @@ def drop_stale(contributions: Iterable[Contribution], max_staleness: int) -> tup
     return kept, dropped
 
 
-def clip_factors(norms: Sequence[float], c: float, reference: Sequence[float] = ()) -> list[float]:
-    """s_m = min(1, c·median(‖Δ‖ ∪ reference)/‖Δ_m‖): norms above c·median are clipped to it
-    (docs/architecture.md §6.2). `reference`: the owner's accepted norms of recent rounds, so that one delta
-    cannot move the median it is clipped against (with two deltas alone, the larger is never above 3× theirs)."""
-    limit = c * statistics.median([*norms, *reference])
+def clip_limit(norms: Sequence[float], c: float, reference: Sequence[float] = ()) -> float:
+    """λ = c·median(‖Δ‖ ∪ reference) (docs/architecture.md §6.2). `reference`: the owner's accepted norms of
+    recent rounds, so that one delta cannot move the median it is clipped against (with two deltas alone, the
+    larger is never above 3× theirs)."""
+    return c * statistics.median([*norms, *reference])
+
+
+def clip_factors(norms: Sequence[float], c: float, reference: Sequence[float] = (),
+                 limit: float | None = None) -> list[float]:
+    """s_m = min(1, λ/‖Δ_m‖): norms above λ (`limit`, else `clip_limit`) are clipped to it."""
+    limit = clip_limit(norms, c, reference) if limit is None else limit
     return [1.0 if n <= limit else limit / n for n in norms]
 
 
@@ -176,6 +183,7 @@ def merge(
     scratch: Tensor | None = None,
     reference_norms: Sequence[float] = (),
     max_share: float = 1.0,
+    limit: float | None = None,
 ) -> MergeResult:
     """Merge the contributions of one fragment (docs/architecture.md §6.2).
 
@@ -186,7 +194,7 @@ def merge(
     `out` receives the merged delta and `scratch` the decoded deltas of callable contributions (flat fp32
     buffers of the fragment's size; fresh ones when not given). Norms are clipped against the median of
     theirs and `reference_norms` (`clip_factors`); no contribution's share is above `max_share`
-    (`capped_shares`).
+    (`capped_shares`). `limit` fixes λ instead (a replica recomputing a published merge, coordinator/audit.py).
 
     Raises `InvalidContribution` (or its subclass `NonFiniteDelta`) for the first bad contribution: validate
     each one with `validate` on receipt and drop the bad ones so that this never raises.
@@ -215,7 +223,8 @@ def merge(
             direction.add_(d[k:], alpha=w / (total * tails[-1]))
         del d
     del first
-    factors = clip_factors(norms, clip_c, reference_norms)
+    limit = clip_limit(norms, clip_c, reference_norms) if limit is None else limit
+    factors = clip_factors(norms, clip_c, limit=limit)
     if k:  # pass 2: the weighted mean of the clipped deltas needs the clip factors, hence the median
         for c, w, s in zip(cs, weights, factors, strict=True):
             mean.add_(delta_of(c, scratch)[:k], alpha=w * s / total)
@@ -235,4 +244,5 @@ def merge(
         clipped=sum(1 for s in factors if s < 1.0),
         total_tokens=sum(c.tokens for c in cs),
         norms=[n * s for n, s in zip(norms, factors, strict=True)],
+        limit=limit,
     )

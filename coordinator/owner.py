@@ -24,6 +24,7 @@ from .grace import QuorumTracker
 from .merge import Contribution, InvalidContribution, merge
 from .outer import OuterOptimizer
 from .version import Version
+from .wire import Merged
 
 RESIDUAL_CODEC = get_codec("int8")
 
@@ -36,6 +37,12 @@ class PendingDelta:
     tokens: int
     meta: dict
     payload: bytes | memoryview  # the codec bytes as they arrived (not copied)
+    digest: bytes = b""  # SHA-256 of `payload` (the envelope's signed payload digest): named by the update
+    prefix: bytes = b""  # the delta envelope's header and signature: prefix + payload is the signed frame a
+    # replica gets to recompute the merge (coordinator/audit.py)
+
+    def frame(self) -> bytes:
+        return self.prefix + bytes(self.payload) if self.prefix else b""
 
 
 @dataclass
@@ -56,6 +63,8 @@ class Publication:
     momentum: Tensor | None
     residual: Encoded | None
     norms: list[float]  # the round's merged delta norms, for the owner's clipping reference
+    merged: list[Merged]  # what the update says it merged: digests, counters, staleness (docs/protocol.md §7.19)
+    clip: float  # λ, the clipping norm of this merge
 
 
 @dataclass(frozen=True)
@@ -209,6 +218,9 @@ class FragmentOwner:
             momentum=momentum,
             residual=residual,
             norms=result.norms,
+            merged=[Merged(d.learner, d.digest, d.steps, d.tokens, c.staleness)
+                    for d, c in zip(batch, contributions, strict=True)],
+            clip=result.limit,
         )
 
     def commit(self, pub: Publication) -> None:

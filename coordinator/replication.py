@@ -15,7 +15,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from aiohttp import web
@@ -26,6 +26,7 @@ from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
+from .audit import AuditFailed, Auditor
 from .authority import Unauthorized, check_replication
 from .buffers import BufferPool
 from .fragments import DigestMismatch, Encoded, FragmentStore, anchor_digest
@@ -34,6 +35,7 @@ from .runspec import RunSpec
 from .sync import STATEFUL_POST_FLOOR_S, FragmentSync
 from .version import Version
 from .wire import (
+    MAX_AUDITED_DELTAS,
     REPLICATE,
     ROUTE_MOMENTUM,
     ROUTE_REPLICATE,
@@ -82,6 +84,7 @@ class Replication:
         self.on_handover: Callable[[int, Version, Encoded], None] = lambda p, label, momentum: None
         # the momentum this peer's owner of p holds at a version (`Takeover.served`), when nothing is kept
         self.served_by_owner: Callable[[int, Version], Encoded | None] = lambda p, label: None
+        self.auditor: Auditor | None = None  # recomputes the updates we are asked to hold (set by the shard)
         server.add_envelope_route(ROUTE_REPLICATE, verifier, self._on_replicate, kinds={REPLICATE},
                                   max_payload=replicate_payload_max(codec, store.max_numel()))
         server.add_route("GET", ROUTE_MOMENTUM, self._serve_momentum)
@@ -107,8 +110,9 @@ class Replication:
     # -- owner side -----------------------------------------------------------------------------------------
 
     async def replicate(self, p: int, term: int, label: Version, update: Envelope, anchor: torch.Tensor,
-                        momentum: torch.Tensor | None) -> set[str] | None:
-        """Hand version `label` (the update `update`, giving `anchor`, and `momentum`) to p's replicas before
+                        momentum: torch.Tensor | None, deltas: Sequence[bytes] = ()) -> set[str] | None:
+        """Hand version `label` (the update `update`, giving `anchor`, and `momentum`, with the signed frames of
+        the `deltas` it merged, for the replicas to recompute it: coordinator/audit.py) to p's replicas before
         it is published; returns those that acknowledged (empty: nobody else is alive, `_alone`). None when none
         acknowledged: then the version must not be published yet (if this owner died right after, no live
         peer would hold it, and its successor would publish another version of that number); a silent
@@ -119,8 +123,11 @@ class Replication:
         self._alone_since = None
         # (encoded, joined and sealed in worker threads: the loop keeps answering meanwhile)
         mmeta, mbytes = await asyncio.to_thread(self.codec.encode, momentum) if momentum is not None else (None, b"")
-        payload = await asyncio.to_thread(join_bytes, update.prefix(), update.payload, mbytes)
-        fields = ReplicateFields(p, term, label, False, update.frame_size(), mmeta).to_fields()
+        if len(deltas) > MAX_AUDITED_DELTAS or not all(deltas):
+            deltas = ()  # (too many to carry, or one without its frame: not recomputed)
+        payload = await asyncio.to_thread(join_bytes, update.prefix(), update.payload, mbytes, *deltas)
+        fields = ReplicateFields(p, term, label, False, update.frame_size(), mmeta,
+                                 tuple(len(d) for d in deltas)).to_fields()
 
         silent: set[str] = set()
 
@@ -201,9 +208,27 @@ class Replication:
         self.terms_seen[f.p] = max(self.terms_seen[f.p], f.term)
         head, rest = payload[: f.update_len], payload[f.update_len :]
         if not f.full:
+            if sum(f.deltas) > len(rest):
+                raise Malformed("replicate delta frames are longer than its payload")
+            frames, end = [], len(rest)
+            for n in reversed(f.deltas):  # the delta frames close the payload
+                frames.insert(0, rest[end - n : end])
+                end -= n
+            rest = rest[:end]
             update = self.sync.verifier.open(head, fresh=False)  # (views, not copies: see `join_bytes`)
             if update.sender != env.sender:
                 raise Unauthorized("a replication carries its sender's own update")
+            if self.auditor is not None:
+                uf = UpdateFields.parse(update.fields, len(self.store))
+                if uf.p != f.p:
+                    raise Malformed("a replication carries an update of another fragment")
+                try:
+                    await asyncio.to_thread(
+                        self.auditor.check, uf, Encoded(self.codec, uf.codec, update.payload), frames,
+                        self.kept.get(f.p), Encoded(self.codec, f.momentum, rest) if f.momentum else None)
+                except AuditFailed as e:
+                    self.auditor.report(uf, peer_id_of(env.sender), e)
+                    raise
             try:
                 await self.sync.apply_update(update, verify=True, pushed=True)
             except (StaleVersion, DigestMismatch) as e:
@@ -231,6 +256,8 @@ class Replication:
             momentum.decode(numel)  # the fp32 codec refuses non-finite values
         self.kept[f.p] = (f.label, momentum)
         self.restored.pop(f.p, None)
+        if self.sync.journal is not None and momentum is not None:  # kept across a kill -9, as the version is
+            self.sync.journal.momentum(f.p, f.label, momentum)
         self.stats["replications_received"] += 1
         if f.full and momentum is not None:
             self.on_handover(f.p, f.label, momentum)

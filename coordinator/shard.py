@@ -19,11 +19,12 @@ import time
 from aiohttp import web
 
 from diloco.protocol.codecs import Codec, get_codec
-from diloco.protocol.envelope import Envelope, EnvelopeVerifier, seal
+from diloco.protocol.envelope import Envelope, EnvelopeVerifier, parse_header, seal
 from diloco.protocol.errors import ProtocolError, Unavailable
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
+from .audit import Auditor
 from .authority import next_term
 from .buffers import BufferPool
 from .fragments import Encoded, FragmentStore, anchor_digest
@@ -95,6 +96,10 @@ class Shard:
                                   max_payload=tensor_payload_max(self.codec, store.max_numel()))
         self.replication = Replication(identity, spec, store, membership, client, server, sync, self.codec,
                                        self.pool, self.verifier, self.stats)
+        self.replication.auditor = Auditor(self.codec, store.numel, lambda p: plan.fragments[p].embedding_numel,
+                                           self.outer, spec.max_share, self.settings.clip_c, len(store),
+                                           lambda frame: self.verifier.open(frame, fresh=False), sync.guard,
+                                           self.stats)
         self.takeover = Takeover(store, membership, client, sync, self.replication, self.codec, self.outer,
                                  self.owners, self.stats, self._spawn)
         sync.on_local_delta = self.accept_delta
@@ -113,7 +118,9 @@ class Shard:
                 self._probing.add(roles[0])
                 self._spawn(self._probe(roles[0]))
             raise Unavailable(f"not the owner of fragment {f.p}; the owner is {roles[0][:8] if roles else 'unknown'}")
-        pending = PendingDelta(peer_id_of(env.sender), f.base, f.steps, f.tokens, f.codec, memoryview(env.payload).toreadonly())
+        pending = PendingDelta(peer_id_of(env.sender), f.base, f.steps, f.tokens, f.codec,
+                               memoryview(env.payload).toreadonly(), parse_header(env.header)["payload_digest"],
+                               env.prefix())
         try:
             owner.offer(pending, self.store.label(f.p))
         except ProtocolError as e:
@@ -184,6 +191,7 @@ class Shard:
         owner = FragmentOwner(p, frag.numel, frag.embedding_numel, self.codec, self.outer, self.settings, term,
                               momentum, live, pool=self.pool)
         owner.label = label
+        owner.norms.extend(self.replication.auditor.norms.pop(p, ()))  # (the merges we recomputed as its replica)
         owner.held_back = True  # until `Takeover.reach_newest` has compared our version with the others
         self.owners[p] = owner
         if label != GENESIS:
@@ -296,9 +304,11 @@ class Shard:
             if not self.store.add_to(p, pub.base, pub.update, out=anchor):  # Θ^(new), as every holder will
                 return None
             digest = await asyncio.to_thread(anchor_digest, anchor)
-            fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta, tuple(pub.learners)).to_fields()
+            fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta, tuple(pub.learners), tuple(pub.merged),
+                                  pub.clip).to_fields()
             env = await asyncio.to_thread(seal, self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
-            replicated = await self.replication.replicate(p, owner.term, pub.new, env, anchor, pub.momentum)
+            replicated = await self.replication.replicate(p, owner.term, pub.new, env, anchor, pub.momentum,
+                                                          [d.frame() for d in pub.batch])
             if replicated is None:  # replicas in view, none holds it: try again once the view has moved on
                 await asyncio.sleep(self.members.poll_s)  # (the failed replicas are suspects by now)
                 return None

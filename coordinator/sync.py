@@ -20,12 +20,13 @@ import torch
 from aiohttp import web
 
 from diloco.protocol import canonical
-from diloco.protocol.codecs import Codec, ErrorFeedback
-from diloco.protocol.envelope import Envelope, EnvelopeVerifier, seal
+from diloco.protocol.codecs import Codec, ErrorFeedback, l2_norm
+from diloco.protocol.envelope import Envelope, EnvelopeVerifier, parse_header, seal
 from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
+from .audit import UpdateGuard
 from .authority import Unauthorized, check_update
 from .buffers import BufferPool
 from .fragments import KEEP_UPDATES, DigestMismatch, Encoded, FragmentStore, Move, anchor_digest
@@ -72,6 +73,8 @@ class VersionJournal(Protocol):
 
     def fragment(self, cert: bytes, anchor: torch.Tensor) -> None: ...
 
+    def momentum(self, p: int, label: Version, momentum: Encoded) -> None: ...  # (a replica's, as it arrives)
+
 
 class FragmentSync:
     """Anchors in, deltas out. One per peer; `server` is None for a client-mode learner."""
@@ -101,6 +104,8 @@ class FragmentSync:
         # Set by the shard: a delta for a fragment this peer owns is handed over without the network.
         self.on_local_delta: Callable[[Envelope], None] | None = None
         self.journal: VersionJournal | None = None  # set by the learner when it keeps checkpoints
+        # the checks of an owner's work this learner can make (coordinator/audit.py)
+        self.guard = UpdateGuard(membership.peer_id, membership.distrust, self.stats)
         if server is not None:
             server.add_envelope_route(ROUTE_UPDATE, self.verifier, self._on_update, kinds={UPDATE}, fresh=False,
                                       max_payload=tensor_payload_max(codec, store.max_numel()))
@@ -131,6 +136,7 @@ class FragmentSync:
         only if the anchor was not written meanwhile."""
         f = UpdateFields.parse(env.fields, self.P)
         self.authorize(f, env.sender, pushed)
+        self.guard.check_signer(f.p, f.new, peer_id_of(env.sender))
         held = self.store.label(f.p)
         if not f.new > held:
             self.stats["updates_already_held"] += 1
@@ -143,6 +149,8 @@ class FragmentSync:
         check = verify if verify is not None else f.new.version % DIGEST_EVERY == 0
         with self.pool.borrow(numel) as update:  # (the codecs never decode to non-finite values)
             move.decode(numel, out=update)
+            norm = l2_norm(update)
+            self.guard.check(f, peer_id_of(env.sender), norm, l2_norm(self.store.read(f.p)[0]), numel)
             result = generation = None
             if check:
                 anchor, label, generation = self.store.read(f.p)
@@ -159,6 +167,7 @@ class FragmentSync:
                                move=move, result=result, generation=generation)
         if self.journal is not None:
             self.journal.update(frame)
+        self.guard.accepted(f.p, norm, numel)
         self.versions_accepted += 1
         return True
 
@@ -300,10 +309,16 @@ class FragmentSync:
         if f.p != p:
             raise Malformed(f"fragment download does not match fragment {p}")
         self.authorize(f, cert.sender, pushed=False)
+        self.guard.check_signer(p, f.new, peer_id_of(cert.sender))
         # SHA-256 releases the GIL: in a thread, downloads of several fragments hash in parallel, and the
         # event loop keeps receiving meanwhile
         if await asyncio.to_thread(anchor_digest, reader.anchor) != f.digest:
             raise DigestMismatch(f"downloaded fragment {p} does not match its certificate")
+        if p not in self.store.unset and f.new != self.store.label(p):  # the jump: bounded like an update's
+            held, label, _ = self.store.read(p)
+            jump, held_norm = await asyncio.to_thread(lambda: (l2_norm(reader.anchor - held), l2_norm(held)))
+            self.guard.check_install(p, f.new, peer_id_of(cert.sender), jump, held_norm,
+                                     abs(f.new.version - label.version), self.store.numel(p))
         repair_of = None
         if repair and f.new == self.store.label(p) and p not in self.store.unset:
             anchor, label, generation = self.store.read(p)  # ours, hashed outside the lock too
@@ -480,6 +495,8 @@ class FragmentSync:
                 break
             owner = roles[0]
             env = await asyncio.to_thread(seal, self.identity, DELTA, self.spec.run_id, fields, payload)
+            self.guard.sent_delta(p, parse_header(env.header)["payload_digest"], steps, tokens)  # (before it can
+            # be merged: an update naming it may come back before this send returns)
             try:
                 if owner == self.members.peer_id and self.on_local_delta is not None:
                     self.on_local_delta(env)

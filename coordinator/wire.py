@@ -8,6 +8,7 @@ bytes (`diloco.protocol.codecs`), decoded only by the codec, which checks its ow
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -86,11 +87,41 @@ class DeltaFields:
 
 
 @dataclass(frozen=True)
+class Merged:
+    """One delta an update merged, as the update names it: enough for anyone holding that delta to recompute
+    the merge (coordinator/audit.py): who sent it, the SHA-256 of its codec payload, its counters and its
+    staleness (which, with the RunSpec's `max_share`, fix its merge weight)."""
+
+    learner: str
+    digest: bytes
+    steps: int
+    tokens: int
+    staleness: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.learner, self.digest, self.steps, self.tokens, self.staleness]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> Merged:
+        if not isinstance(v, list) or len(v) != 5:
+            raise Malformed("a merged entry must be [learner, digest, steps, tokens, staleness]")
+        learner, digest = v[0], v[1]
+        if not isinstance(learner, str) or len(learner) > 64:
+            raise Malformed("a merged entry's learner must be a PeerId")
+        if not isinstance(digest, bytes) or len(digest) != 32:
+            raise Malformed("a merged entry's digest must be 32 bytes")
+        f = {"steps": v[2], "tokens": v[3], "staleness": v[4]}
+        return cls(learner, digest, _int(f, "steps", 1), _int(f, "tokens", 1), _int(f, "staleness"))
+
+
+@dataclass(frozen=True)
 class UpdateFields:
     """Owner → learners: U = Θ_p^(new) − Θ_p^(base); `digest` is SHA-256 of Θ_p^(new)'s fp32 bytes.
 
     The header of an update (its envelope prefix) is also the certificate of version `new`: any holder may
-    serve Θ_p^(new) with it, and the downloader checks the bytes against `digest`.
+    serve Θ_p^(new) with it, and the downloader checks the bytes against `digest`. `merged` and `clip` say
+    what the merge was made of (one entry per learner, in `learners`' order, and the clipping norm λ), so that
+    the outer step can be recomputed and checked (docs/protocol.md §7.19).
     """
 
     p: int
@@ -99,14 +130,17 @@ class UpdateFields:
     digest: bytes
     codec: dict[str, Any]
     learners: tuple[str, ...] = ()  # PeerIds whose deltas this outer step merged
+    merged: tuple[Merged, ...] = ()  # the same deltas: digests, counters, staleness (empty: not said)
+    clip: float = 0.0  # λ: every merged delta's norm was clipped to at most this
 
     def to_fields(self) -> dict[str, Any]:
         return {"p": self.p, "base": self.base.to_wire(), "new": self.new.to_wire(), "digest": self.digest,
-                "codec": self.codec, "learners": list(self.learners)}
+                "codec": self.codec, "learners": list(self.learners), "merged": [m.to_wire() for m in self.merged],
+                "clip": float(self.clip)}
 
     @classmethod
     def parse(cls, f: dict[str, Any], P: int) -> UpdateFields:
-        _exact(f, {"p", "base", "new", "digest", "codec", "learners"}, UPDATE)
+        _exact(f, {"p", "base", "new", "digest", "codec", "learners", "merged", "clip"}, UPDATE)
         digest = f["digest"]
         if not isinstance(digest, bytes) or len(digest) != 32:
             raise Malformed("update digest must be 32 bytes")
@@ -115,8 +149,17 @@ class UpdateFields:
             isinstance(x, str) and len(x) <= 64 for x in learners
         ):
             raise Malformed(f"update learners must be a list of at most {MAX_LEARNERS} PeerIds")
+        raw = f["merged"]
+        if not isinstance(raw, list) or len(raw) > MAX_LEARNERS:
+            raise Malformed(f"update merged must be a list of at most {MAX_LEARNERS} entries")
+        merged = tuple(Merged.from_wire(m) for m in raw)
+        if merged and [m.learner for m in merged] != learners:
+            raise Malformed("update merged must name the update's learners, in order")
+        clip = f["clip"]
+        if not isinstance(clip, float) or not 0.0 <= clip < math.inf:
+            raise Malformed("update clip must be a finite float64 >= 0")
         out = cls(_int(f, "p", 0, P - 1), Version.from_wire(f["base"]), Version.from_wire(f["new"]), digest,
-                  _meta(f, "codec"), tuple(learners))
+                  _meta(f, "codec"), tuple(learners), merged, clip)
         if not out.new > out.base:
             raise Malformed(f"update to {out.new} does not move forward from {out.base}")
         return out
@@ -126,9 +169,11 @@ class UpdateFields:
 class ReplicateFields:
     """Owner → replica, before publishing: the update frame (as learners will get it) and the momentum.
 
-    Payload: the update frame's bytes (`update_len` of them), then the momentum codec payload. With
-    `full`, the payload is instead the fp32 anchor followed by the fp32 momentum (a new replica's first copy),
-    and `update_len` is the anchor's byte length.
+    Payload: the update frame's bytes (`update_len` of them), then the momentum codec payload, then the
+    frames of the deltas the update merged (`deltas`: their byte lengths, in the update's `merged` order), so
+    that the replica can recompute the step (coordinator/audit.py). With `full`, the payload is instead the
+    fp32 anchor followed by the fp32 momentum (a new replica's first copy), and `update_len` is the anchor's
+    byte length.
     """
 
     p: int
@@ -137,19 +182,24 @@ class ReplicateFields:
     full: bool
     update_len: int
     momentum: dict[str, Any] | None
+    deltas: tuple[int, ...] = ()  # byte lengths of the merged delta frames at the payload's end
 
     def to_fields(self) -> dict[str, Any]:
         return {"p": self.p, "term": self.term, "label": self.label.to_wire(), "full": self.full,
-                "update_len": self.update_len, "momentum": self.momentum}
+                "update_len": self.update_len, "momentum": self.momentum, "deltas": list(self.deltas)}
 
     @classmethod
     def parse(cls, f: dict[str, Any], P: int) -> ReplicateFields:
-        _exact(f, {"p", "term", "label", "full", "update_len", "momentum"}, REPLICATE)
+        _exact(f, {"p", "term", "label", "full", "update_len", "momentum", "deltas"}, REPLICATE)
         if not isinstance(f["full"], bool):
             raise Malformed("replicate 'full' must be a bool")
         momentum = None if f["momentum"] is None else _meta(f, "momentum")
+        deltas = f["deltas"]
+        if not isinstance(deltas, list) or len(deltas) > MAX_LEARNERS or (f["full"] and deltas):
+            raise Malformed(f"replicate deltas must be a list of at most {MAX_LEARNERS} lengths (none when full)")
+        lengths = tuple(_int({"d": d}, "d") for d in deltas)
         return cls(_int(f, "p", 0, P - 1), _int(f, "term"), Version.from_wire(f["label"]), f["full"],
-                   _int(f, "update_len"), momentum)
+                   _int(f, "update_len"), momentum, lengths)
 
 
 MAX_CERT = 70_000  # bytes of an update certificate in a fragment body, at most
@@ -206,10 +256,14 @@ def tensor_payload_max(codec: Codec, numel: int) -> int:
     return codec.encoded_size(numel)
 
 
+MAX_AUDITED_DELTAS = 16  # delta frames a `replicate` carries at most; a larger round ships none (not recomputed)
+
+
 def replicate_payload_max(codec: Codec, numel: int) -> int:
-    """The largest `replicate` payload for such a fragment: an update frame and the momentum in the run's
-    codec, or (the full form) a certificate and the fp32 anchor and momentum."""
-    return max(frame_limit(codec.encoded_size(numel)) + codec.encoded_size(numel), MAX_CERT + 8 * numel)
+    """The largest `replicate` payload for such a fragment: an update frame, the momentum in the run's codec and
+    up to MAX_AUDITED_DELTAS delta frames, or (the full form) a certificate and the fp32 anchor and momentum."""
+    frame = frame_limit(codec.encoded_size(numel))
+    return max(frame + codec.encoded_size(numel) + MAX_AUDITED_DELTAS * frame, MAX_CERT + 8 * numel)
 
 
 def fragment_body_max(numel: int) -> int:

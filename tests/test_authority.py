@@ -4,8 +4,6 @@ from any other member is refused with 403 and changes nothing (coordinator/autho
 from __future__ import annotations
 
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -35,6 +33,7 @@ from diloco.protocol.codecs import get_codec
 from diloco.protocol.envelope import join_bytes, seal
 from diloco.protocol.identity import Identity
 
+from .hostile import post
 from .swarm_utils import LocalLearner, tiny_run, wait_until
 
 ALICE, MALLORY = Identity.generate().peer_id, Identity.generate().peer_id
@@ -90,15 +89,6 @@ def test_a_replication_comes_from_the_owner_in_its_own_term_or_is_a_hand_over_of
                  (own_term(ALICE, 3 + TERM_BLOCKS_AHEAD), Version(term, 4), False, ALICE, owner_is(ALICE))]:
         with pytest.raises(Unauthorized):
             check_replication(0, *args)
-
-
-def post(url: str, route: str, frame: bytes) -> int:
-    req = urllib.request.Request(url + route, data=frame, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
 
 
 @pytest.fixture
