@@ -24,6 +24,8 @@ On-disk format, version 1::
                                    wall_time, peers: the member URLs it saw),
                                    "manifest_sha256": SHA-256 (hex) of the canonical JSON of all other keys}
       .tmp-<random>/              a write in progress or a crashed one: never read, removed by the next save
+      .replaced-<t>/              step-<t> moved aside while a new step-<t> replaces it: read only if step-<t> is
+                                  missing or invalid (killed between the two renames), removed by the next save
 
 Writing: both files go into `DIR/.tmp-<random>/`, each file and that folder are fsynced, the folder is renamed to
 `step-<t>` (atomic on POSIX) and `DIR` is fsynced. There is no LATEST pointer: the latest checkpoint is found by
@@ -31,6 +33,11 @@ scanning the `step-*` folders, highest step first, and taking the first that ver
 manifest parses and matches `manifest_sha256`, that the tensors file matches `tensors_sha256`, and that it holds
 exactly the listed tensors with the recorded shape and dtype. `counters` and `meta` go through JSON (int keys come
 back as strings, tuples as lists). Folders are 0700 and files 0600. One writer per DIR.
+
+A failed write (a full disk: ENOSPC) raises and leaves every older checkpoint as it was: nothing outside the
+temporary folder changes before both files are on disk. Pruning keeps the new checkpoint and the `keep` − 1
+newest ones below its step; a folder of a higher step (one a resume fell back from) is left alone A pruned
+folder is renamed to `.tmp-<random>` before it is deleted, so a kill mid-delete never leaves a half `step-<t>`.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ log = logging.getLogger(__name__)
 FORMAT, FORMAT_VERSION = "diloco-checkpoint", 1
 TENSORS, MANIFEST = "tensors.safetensors", "manifest.json"
 _STEP_DIR = re.compile(r"step-(0|[1-9][0-9]*)")
+_REPLACED_DIR = re.compile(r"\.replaced-(0|[1-9][0-9]*)")
 _SCALARS = (type(None), bool, int, float, str)
 
 
@@ -90,8 +98,7 @@ def save_checkpoint(directory: str | os.PathLike, ckpt: Checkpoint, *, keep: int
     tensors, manifest = _encode(ckpt)  # raises TypeError before anything touches the disk
     root = Path(directory)
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    _tidy(root)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     final, replaced = root / f"step-{manifest['step']}", None
     try:
@@ -105,24 +112,54 @@ def save_checkpoint(directory: str | os.PathLike, ckpt: Checkpoint, *, keep: int
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        if final.exists():
-            replaced = root / f".tmp-{secrets.token_hex(8)}"
+        if final.exists():  # aside under a name `load_latest` still reads until the new one is in place
+            replaced = root / f".replaced-{manifest['step']}"
+            shutil.rmtree(replaced, ignore_errors=True)
             os.rename(final, replaced)
         os.rename(tmp, final)
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if replaced is not None and not final.exists() and replaced.exists():
+            os.rename(replaced, final)  # (a rename frees space, it needs none)
         raise
-    for old in [p for p in _step_dirs(root)[keep:] if p != final] + [replaced]:
+    older = [p for p in _step_dirs(root) if _step_of(p) < int(manifest["step"])]
+    for old in older[keep - 1 :] + [replaced]:
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(root, old)
     _fsync_dir(root)
     return final
 
 
+def _remove(root: Path, path: Path) -> None:
+    """Rename to `.tmp-<random>` first, then delete: a kill in the middle of the delete leaves a temporary
+    folder (removed by the next save), never a half-deleted `step-<t>`."""
+    trash = root / f".tmp-{secrets.token_hex(8)}"
+    try:
+        os.rename(path, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _tidy(root: Path) -> None:
+    """Before a save: drop crashed writes; put back a `.replaced-<t>` whose new `step-<t>` never arrived."""
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for aside in root.glob(".replaced-*"):
+        m = _REPLACED_DIR.fullmatch(aside.name)
+        final = root / f"step-{m[1]}" if m else None
+        if final is not None and not final.exists():
+            os.rename(aside, final)
+        else:
+            shutil.rmtree(aside, ignore_errors=True)
+
+
 def load_latest(directory: str | os.PathLike) -> Checkpoint | None:
-    """The newest checkpoint under `directory` that verifies; invalid ones are skipped with a warning."""
-    for path in _step_dirs(Path(directory)):
+    """The newest checkpoint under `directory` that verifies; invalid ones are skipped with a warning. A
+    `.replaced-<t>` (kill -9 between the two renames of a same-step replacement) counts as step t, after
+    `step-<t>`."""
+    for path in _candidates(Path(directory)):
         try:
             return load_checkpoint(path)
         except CheckpointCorrupt as e:
@@ -149,7 +186,7 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise CheckpointCorrupt(path, f"tensors file unreadable: {e}") from e
     if digest != manifest.get("tensors_sha256"):
         raise CheckpointCorrupt(path, "tensors file digest mismatch (truncated or corrupted)")
-    named = _STEP_DIR.fullmatch(path.name)
+    named = _STEP_DIR.fullmatch(path.name) or _REPLACED_DIR.fullmatch(path.name)
     if named and int(named[1]) != manifest.get("step"):
         raise CheckpointCorrupt(path, f"folder says step {named[1]}, manifest says {manifest.get('step')!r}")
     try:
@@ -299,6 +336,20 @@ def _step_dirs(root: Path) -> list[Path]:
         return []
     found = [(int(m[1]), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def _candidates(root: Path) -> list[Path]:
+    """What `load_latest` tries: `step-<t>` and `.replaced-<t>` folders, highest t first, `step-<t>` first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m[1]), rx is _STEP_DIR, p) for p in root.iterdir() for rx in (_STEP_DIR, _REPLACED_DIR)
+             if (m := rx.fullmatch(p.name)) and p.is_dir()]
+    return [p for *_, p in sorted(found, reverse=True)]
+
+
+def _step_of(path: Path) -> int:
+    m = _STEP_DIR.fullmatch(path.name) or _REPLACED_DIR.fullmatch(path.name)
+    return int(m[1]) if m else -1
 
 
 def _sha256(path: Path, *, fsync: bool = False) -> str:

@@ -14,23 +14,31 @@ checkpoint is the durable state). The journal lives in `DIR/journal/` next to th
 
     MAGIC (4 bytes) | kind (1 byte) | body length (u32, big-endian) | body | SHA-256 of kind + body (32 bytes)
 
-kind `u`: an update frame (docs/protocol.md §3); kind `f`: u32 certificate length | certificate | fp32 anchor.
+kind `u`: an update frame (docs/protocol.md §3); kind `f`: u32 certificate length | certificate | fp32 anchor;
+kind `m`: the outer momentum a replica was sent with a version (`Replication.kept`, otherwise only in memory and
+in the next checkpoint), u32 p | i64 term | i64 version | u32 meta length | codec meta (JSON) | payload; a restart
+keeps the newest one per fragment as the checkpoint's would be kept (`node/saved_momenta.py`), so the momentum of
+a version accepted after the checkpoint survives kill -9 of the replica too. A momentum record is this peer's own
+note, like the checkpoint, not signed: it is checked by decoding it.
 A record is trusted only after the checks any update gets: signature, run and membership (`EnvelopeVerifier`),
 and the owner's digest of the anchor it produces. A torn record (killed mid-write) or a corrupt one ends its
 segment. `rotate` starts a new segment just before a checkpoint is captured; once that checkpoint is written,
-the segments before it are covered by it and are deleted (`drop_before`).
+the segments before the previous checkpoint's are covered by both kept checkpoints and are deleted (`drop_before`,
+called by `Learner.save_checkpoint`): a resume that falls back to the older one still replays everything since.
+An append that fails (a full disk) is cut off again, so the records after it stay readable.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,11 +51,14 @@ from diloco.protocol.codecs import get_codec
 from diloco.protocol.envelope import EnvelopeVerifier
 from diloco.protocol.errors import ProtocolError
 
+from . import saved_momenta
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"DLJ1"
-UPDATE_RECORD, FRAGMENT_RECORD = b"u", b"f"
+UPDATE_RECORD, FRAGMENT_RECORD, MOMENTUM_RECORD = b"u", b"f", b"m"
 _HEAD = struct.Struct(">4scI")
+_MOMENTUM = struct.Struct(">IqqI")
 _SEGMENT = re.compile(r"seg-(0|[1-9][0-9]*)")
 
 
@@ -60,6 +71,7 @@ class Journal:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self.failed_writes = 0  # appends lost to a write error (a full disk), reported in the learner's status
         self.segment = max(segments(self.dir), default=-1) + 1
         self._open()
 
@@ -75,6 +87,12 @@ class Journal:
         data = anchor.detach().contiguous().view(torch.uint8).numpy().data
         self._append(FRAGMENT_RECORD, [struct.pack(">I", len(cert)), cert, data])
 
+    def momentum(self, p: int, label: Version, momentum: Encoded) -> None:
+        """The momentum of version `label` of p that this replica keeps (`Replication._on_replicate`)."""
+        meta = json.dumps(momentum.meta, sort_keys=True, separators=(",", ":")).encode()
+        self._append(MOMENTUM_RECORD, [_MOMENTUM.pack(p, label.term, label.version, len(meta)), meta,
+                                       momentum.payload])
+
     def _append(self, kind: bytes, parts: list) -> None:
         size = sum(len(x) for x in parts)
         digest = hashlib.sha256(kind)
@@ -85,20 +103,36 @@ class Journal:
         with self._lock:
             if self._fd is None:
                 return
+            end = os.fstat(self._fd).st_size
             try:
                 _write_all(self._fd, buffers)
             except OSError as e:  # a full disk must not stop training: the checkpoint still stands
-                log.warning("version journal write failed: %s", e)
+                self.failed_writes += 1
+                log.warning("version journal write failed (%s): this version is not in the journal", e)
+                try:  # cut the torn record off, or every record appended after it would be unreadable
+                    os.ftruncate(self._fd, end)
+                except OSError as e2:
+                    log.warning("version journal: could not cut a torn record (%s); starting a new segment", e2)
+                    self._next_segment()
 
     def rotate(self) -> int:
         """Start a new segment; returns its number. Call it before capturing a checkpoint: everything in the
-        older segments was then applied before the capture, so the checkpoint covers it."""
+        older segments was then applied before the capture, so the checkpoint covers it. Where no new segment
+        can be created (a full disk), appends go on in the current one, whose number is returned."""
         with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-            self.segment += 1
-            self._open()
+            self._next_segment()
             return self.segment
+
+    def _next_segment(self) -> None:
+        """With the lock held: open segment + 1 and make it current; keep the current one if that fails."""
+        try:
+            fd = os.open(self.dir / f"seg-{self.segment + 1}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as e:
+            log.warning("version journal: no new segment (%s); appending to segment %d", e, self.segment)
+            return
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd, self.segment = fd, self.segment + 1
 
     def drop_before(self, segment: int) -> None:
         """Delete the segments older than `segment` (a checkpoint captured after `rotate` returned it is on disk)."""
@@ -158,11 +192,13 @@ def records(directory: str | os.PathLike) -> Iterator[tuple[bytes, bytes]]:
 
 @dataclass
 class Replayed:
-    """What a replay moved: the fragments and how many records were applied or refused."""
+    """What a replay moved: the fragments and how many records were applied or refused; the newest momentum
+    journaled per fragment."""
 
     moved: set[int]
     applied: int = 0
     refused: int = 0
+    momenta: dict[int, tuple[Version, Encoded]] = field(default_factory=dict)
 
 
 def replay(directory: str | os.PathLike, spec: RunSpec, anchors: list[torch.Tensor], labels: list[Version],
@@ -174,6 +210,7 @@ def replay(directory: str | os.PathLike, spec: RunSpec, anchors: list[torch.Tens
     verifier = EnvelopeVerifier(spec.run_id, is_member=spec.is_member, kinds={UPDATE})
     codec = get_codec(spec.codec)
     out = Replayed(set())
+    momenta: dict[int, tuple[Version, bytes]] = {}
     for kind, body in records(directory):
         try:
             if kind == UPDATE_RECORD:
@@ -183,6 +220,11 @@ def replay(directory: str | os.PathLike, spec: RunSpec, anchors: list[torch.Tens
                     continue
                 result = anchors[f.p] + Encoded(codec, f.codec, env.payload).decode(anchors[f.p].numel())
                 cert, label, p = env.prefix(), f.new, f.p
+            elif kind == MOMENTUM_RECORD:  # (only the newest per fragment is decoded and checked, below)
+                p, term, version, _ = _MOMENTUM.unpack_from(body)
+                if p not in momenta or momenta[p][0] <= Version(term, version):
+                    momenta[p] = (Version(term, version), body)
+                continue
             elif kind == FRAGMENT_RECORD:
                 (n,) = struct.unpack_from(">I", body)
                 cert = body[4 : 4 + n]
@@ -198,6 +240,7 @@ def replay(directory: str | os.PathLike, spec: RunSpec, anchors: list[torch.Tens
             if anchor_digest(result) != f.digest:
                 raise ValueError(f"fragment {f.p} at {f.new} differs from its owner's digest")
         except (ProtocolError, ValueError, KeyError, TypeError, struct.error) as e:  # (never stop the start)
+            # (json's JSONDecodeError is a ValueError)
             out.refused += 1
             log.warning("version journal record refused: %s", e)
             continue
@@ -206,15 +249,27 @@ def replay(directory: str | os.PathLike, spec: RunSpec, anchors: list[torch.Tens
         unset.discard(p)
         out.moved.add(p)
         out.applied += 1
+    for p, (label, body) in momenta.items():
+        try:
+            n = _MOMENTUM.unpack_from(body)[3]
+            meta = json.loads(body[_MOMENTUM.size : _MOMENTUM.size + n])
+            payload = torch.frombuffer(bytearray(body[_MOMENTUM.size + n :]), dtype=torch.uint8)
+            out.momenta[p] = saved_momenta.checked(p, (label.term, label.version), meta, payload, spec.codec,
+                                                   [a.numel() for a in anchors])
+        except (ProtocolError, ValueError, KeyError, TypeError, struct.error) as e:
+            out.refused += 1
+            log.warning("version journal momentum of fragment %d refused: %s", p, e)
     return out
 
 
 def open_journal(checkpoint_dir: str | os.PathLike | None, spec: RunSpec, anchors: list[torch.Tensor],
                  labels: list[Version], certs: list[bytes], *, resumed: bool,
-                 into_theta: Callable[[int, torch.Tensor], None]) -> Journal | None:
+                 into_theta: Callable[[int, torch.Tensor], None],
+                 momenta: dict[int, tuple[Version, Encoded]] | None = None) -> Journal | None:
     """The learner's start (`Learner.start`): replay the journal onto the checkpoint just loaded (`resumed`)
     and copy each fragment it moved into θ (`into_theta(p, anchor)`: θ[p] := Θ_p, as a download would), then
-    open a new segment for this run of the learner. None without a checkpoint folder, or in a synchronous run
+    open a new segment for this run of the learner. `momenta` (the checkpoint's, `saved_momenta.read_from`)
+    takes each journaled momentum of a newer version. None without a checkpoint folder, or in a synchronous run
     (it restarts from its checkpoints, docs/architecture.md §10). Without a checkpoint to replay onto, an
     earlier start's segments are dropped."""
     if checkpoint_dir is None or spec.synchronous:
@@ -223,6 +278,9 @@ def open_journal(checkpoint_dir: str | os.PathLike | None, spec: RunSpec, anchor
         replayed = replay(checkpoint_dir, spec, anchors, labels, certs, set())
         for p in sorted(replayed.moved):
             into_theta(p, anchors[p])
+        for p, (label, momentum) in replayed.momenta.items():
+            if momenta is not None and (p not in momenta or momenta[p][0] < label):
+                momenta[p] = (label, momentum)
         if replayed.applied or replayed.refused:
             log.info("version journal: %d records replayed, %d refused; now at %s", replayed.applied,
                      replayed.refused, [str(v) for v in labels])

@@ -43,6 +43,7 @@ from .swarm import JoinError, Swarm, SwarmConfig, SwarmFailed
 from .theta import OnWrite, Theta
 
 log = logging.getLogger(__name__)
+JOURNAL_SEGMENT = "journal_segment"  # checkpoint meta: the journal segment opened just before its capture
 
 
 class RunMismatch(JoinError):
@@ -173,6 +174,12 @@ class Learner:
         # told of every write into θ that `step` makes after `start` (node/theta.py OnWrite): node/distributed.py
         self.on_theta_write: OnWrite | None = None
         self._journal: Journal | None = None  # the versions accepted since the checkpoint (node/journal.py)
+        # the journal segment the older kept checkpoint was captured at: segments from it on stay, so a resume
+        # that falls back to that checkpoint (the newest failed its digests) still replays every version since
+        self._journal_floor: int | None = None
+        self.checkpoint_error: str | None = None  # why the last checkpoint write failed (a full disk), or None
+        self.checkpoints_failed = 0
+        self.last_checkpoint_step: int | None = None
         self.theta: Theta | None = None  # moves θ with new versions, copies due fragments out (node/theta.py)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -193,6 +200,9 @@ class Learner:
             self.tokens = int(self._restored.get("tokens", 0))
             self.config = dataclasses.replace(self.config, known_peers=_urls(ckpt.meta.get("peers")))
             momenta = saved_momenta.read_from(ckpt, self.spec.codec, [f.numel for f in self.plan.fragments])
+            floor = ckpt.meta.get(JOURNAL_SEGMENT)
+            self._journal_floor = floor if isinstance(floor, int) and not isinstance(floor, bool) else 0
+            self.last_checkpoint_step = ckpt.step
             log.info("resumed from checkpoint at step %d", self.t)
         else:
             momenta = {}
@@ -209,9 +219,11 @@ class Learner:
         # the versions accepted after that checkpoint, replayed: this learner holds again, and offers to the
         # owners, the newest version it accepted before it stopped (docs/architecture.md §5.6)
         self._journal = open_journal(self.checkpoint_dir, self.spec, anchors, labels, certs, resumed=not fresh,
-                                     into_theta=lambda p, anchor: self.plan.unflatten_into(p, anchor, self.params))
+                                     into_theta=lambda p, anchor: self.plan.unflatten_into(p, anchor, self.params),
+                                     momenta=momenta)
         self.swarm = Swarm(self.identity, self.spec, self.plan, anchors, self.config, labels, certs,
                            adopt_anchors=True, unset=unset, journal=self._journal, momenta=momenta)
+        self.swarm.extra_status.append(self._storage_status)
         self.swarm.store.merged_steps = int(self._restored.get("merged_steps", 0))
         self.swarm.store.merged_tokens = int(self._restored.get("merged_tokens", 0))
         self.theta = Theta(self.swarm.store, self.plan, self.params, self.swarm.pool, self._submit,
@@ -389,18 +401,35 @@ class Learner:
         ckpt = capture(self._state(), self.optimizer, step=self.t, anchors=anchors, labels=labels, certs=certs,
                        counters=counters,
                        meta={"run_id": self.spec.run_id.hex(), "peer_id": self.identity.peer_id,
-                             "wall_time": time.time(), "peers": self.swarm.known_urls()})
+                             "wall_time": time.time(), "peers": self.swarm.known_urls(),
+                             **({JOURNAL_SEGMENT: segment} if segment is not None else {})})
+
         def write() -> None:
-            # the momenta of the versions this peer holds now (their labels say which): read on the loop
-            saved_momenta.add_to(ckpt, self.swarm.held_momenta())
-            save_checkpoint(self.checkpoint_dir, ckpt)
-            if segment is not None:  # on disk now: the segments this checkpoint covers can go
-                self._journal.drop_before(segment)
+            try:
+                # the momenta of the versions this peer holds now (their labels say which): read on the loop
+                saved_momenta.add_to(ckpt, self.swarm.held_momenta())
+                save_checkpoint(self.checkpoint_dir, ckpt)
+            except Exception as e:  # a full disk: the older checkpoints and the journal still stand; train on
+                self.checkpoints_failed += 1
+                self.checkpoint_error = f"checkpoint at step {ckpt.step} not written: {type(e).__name__}: {e}"
+                log.error("%s; training goes on, the last good checkpoint and the journal are kept",
+                          self.checkpoint_error)
+                return
+            self.checkpoint_error, self.last_checkpoint_step = None, ckpt.step
+            if segment is not None:  # on disk now: what only the checkpoint before it needed can go
+                self._journal.drop_before(segment if self._journal_floor is None else self._journal_floor)
+                self._journal_floor = segment
 
         self._saving = threading.Thread(target=write, daemon=True)
         self._saving.start()
         if wait:
             self._saving.join()
+
+    def _storage_status(self) -> dict:
+        """The `storage` object of `/v1/status` (docs/status.md): a failing disk shows there, not only in the log."""
+        return {"storage": {"checkpoint_error": self.checkpoint_error, "checkpoints_failed": self.checkpoints_failed,
+                            "last_checkpoint_step": self.last_checkpoint_step,
+                            "journal_write_failures": self._journal.failed_writes if self._journal else 0}}
 
     def _state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint holds of the model: its state_dict, with θ's tensors in place of its parameters."""

@@ -45,21 +45,27 @@ def read_from(ckpt: Checkpoint, codec_name: str, numels: list[int]) -> dict[int,
     for key, entry in (entries.items() if isinstance(entries, dict) else ()):
         try:
             p = int(key)
-            if not 0 <= p < len(numels) or not isinstance(entry, dict):
-                raise ValueError(f"fragment {key!r} is not one of this run's {len(numels)}")
-            term, version = entry["label"]
-            label = Version(int(term), int(version))
-            meta = entry["meta"]
-            name = meta.get("codec") if isinstance(meta, dict) else None
-            if name not in (codec_name, "fp32"):
-                raise ValueError(f"codec {name!r}, this run's momentum is {codec_name!r} or fp32")
-            payload = ckpt.extra_tensors[f"{PREFIX}{p}"]
-            if payload.dtype != torch.uint8 or payload.dim() != 1:
-                raise ValueError(f"payload is {payload.dtype}{list(payload.shape)}, not flat uint8")
-            momentum = Encoded(get_codec(name), meta, memoryview(payload.numpy()))
-            momentum.decode(numels[p])  # refuses a wrong size or a non-finite value
+            if not isinstance(entry, dict):
+                raise ValueError(f"entry of fragment {key!r} is not an object")
+            out[p] = checked(p, entry["label"], entry["meta"], ckpt.extra_tensors[f"{PREFIX}{p}"], codec_name,
+                             numels)
         except (KeyError, TypeError, ValueError, ProtocolError) as e:
             log.warning("checkpoint momentum of fragment %s left out: %s", key, e)
-            continue
-        out[p] = (label, momentum)
     return out
+
+
+def checked(p: int, label: object, meta: object, payload: torch.Tensor, codec_name: str,
+            numels: list[int]) -> tuple[Version, Encoded]:
+    """A saved momentum (checkpoint or version journal) as a replica keeps it, once it decodes to fragment p
+    of this run; raises ValueError, KeyError, TypeError or ProtocolError otherwise."""
+    if not 0 <= p < len(numels):
+        raise ValueError(f"fragment {p} is not one of this run's {len(numels)}")
+    term, version = label  # type: ignore[misc]
+    name = meta.get("codec") if isinstance(meta, dict) else None
+    if name not in (codec_name, "fp32"):
+        raise ValueError(f"codec {name!r}, this run's momentum is {codec_name!r} or fp32")
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise ValueError(f"payload is {payload.dtype}{list(payload.shape)}, not flat uint8")
+    momentum = Encoded(get_codec(name), meta, memoryview(payload.numpy()))
+    momentum.decode(numels[p])  # refuses a wrong size or a non-finite value
+    return Version(int(term), int(version)), momentum

@@ -141,6 +141,7 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
     shard = int.from_bytes(hashlib.sha256(identity.public_key).digest()[:4], "big")
     batches = task.batches(learner=shard, seed=spec.seed + learner.t)
     start, losses, reported = time.monotonic(), [], store.merged_steps
+    storage_error: str | None = None  # the last checkpoint failure reported (a full disk: training goes on)
     try:
         while not opts.steps or learner.t < opts.steps:
             step_start = time.monotonic()
@@ -158,6 +159,11 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
                 emit(opts, "merged", step=learner.t, merged_steps=store.merged_steps,
                      merged_tokens=store.merged_tokens, accepted=store.take_accepted())
             reported = store.merged_steps
+            if learner.checkpoint_error != storage_error:
+                storage_error = learner.checkpoint_error
+                if storage_error is not None:
+                    emit(opts, "checkpoint_failed", step=learner.t, error=storage_error,
+                         last_checkpoint_step=learner.last_checkpoint_step)
             if learner.t % opts.progress_every == 0:
                 st = learner.swarm
                 emit(opts, "progress", step=learner.t, loss=_mean(losses[-opts.progress_every:]),
