@@ -106,6 +106,9 @@ class RunSpec:
             want = {"int": int, "float": (int, float), "str": str, "bool": bool, "bytes": bytes}.get(str(f.type))
             if want is not None and (not isinstance(v, want) or (want is int and isinstance(v, bool))):
                 raise Malformed(f"run spec field {f.name} must be {f.type}")
+        # (the two fields of no simple type: a task reads `model` as a map, `is_member` compares keys as bytes)
+        if not isinstance(spec.model, dict) or not all(isinstance(k, bytes) for k in spec.allowlist):
+            raise Malformed("run spec field model must be a map and allowlist a list of 32-byte keys")
         return spec
 
     def encode(self) -> bytes:

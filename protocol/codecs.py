@@ -251,7 +251,8 @@ class _FlatCodec(Codec):
     finite_when_checked: ClassVar[bool] = False
 
     def check(self, meta: dict[str, Any], data: Payload, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> int:
-        """Every check `decode` makes before decoding the values (meta, exact length, scales); returns numel.
+        """Every check `decode` makes before decoding the values (meta, exact length, scales, int8 codes);
+        returns numel.
         Cheap: for a receiver that keeps the bytes and decodes them later."""
         return self._checked(meta, data, max_elements)[1]
 
@@ -398,9 +399,14 @@ class Int8Codec(_FlatCodec):
         return 4 * -(-numel // block) + numel
 
     def _check_payload(self, view: memoryview, numel: int, block: int) -> None:
-        scales = _array(view, np.uint32, 0, -(-numel // block))
+        nblocks = -(-numel // block)
+        scales = _array(view, np.uint32, 0, nblocks)
         if scales.size and int(scales.max()) > _INT8_MAX_SCALE_BITS:
             raise Malformed("int8 scales must be finite, non-negative and at most float32_max/127")
+        # (here too, not only in decode: an owner keeps a checked delta and decodes it at the outer step,
+        # where one refused code would fail the whole round)
+        if numel and int(np.frombuffer(view, np.int8, count=numel, offset=4 * nblocks).min()) < -127:
+            raise Malformed("int8 code -128 is not allowed (codes are in [-127, 127])")
 
     def _decode_into(self, view: memoryview, numel: int, block: int, flat: np.ndarray) -> None:
         nblocks = -(-numel // block)
