@@ -114,6 +114,39 @@ class RefusalLog:
         self.left_out.clear()
 
 
+class SharedCap:
+    """Things under way per address (requests, TLS handshakes): at most `per_addr` each, and `total` in all,
+    past which an address already holding its fair share (total / addresses) is refused."""
+
+    def __init__(self, per_addr: int, total: int) -> None:
+        self.per_addr, self.total = per_addr, total
+        self.held: dict[str, int] = {}
+        self.count = 0
+
+    def full(self, key: str) -> str | None:
+        """Why `key` may not take one more now ("per address" or "all addresses"), or None."""
+        n = self.held.get(key, 0)
+        if n >= self.per_addr:
+            return "per address"
+        if self.count >= self.total and n >= fair_share(self.total, len(self.held)):
+            return "all addresses"
+        return None
+
+    def take(self, key: str) -> None:
+        self.held[key] = self.held.get(key, 0) + 1
+        self.count += 1
+
+    def give(self, key: str) -> None:
+        self.count -= 1
+        n = self.held.pop(key) - 1
+        if n:
+            self.held[key] = n
+
+
+def fair_share(total: int, addresses: int) -> int:
+    return max(1, total // max(1, addresses))
+
+
 class Limiter:
     """The state behind `Limits`: buckets, in-flight and connection counts per address, and refusal counts."""
 
@@ -123,10 +156,8 @@ class Limiter:
         self.limits = limits or Limits()
         self.clock = clock
         self._buckets: dict[tuple[str, bool], tuple[float, float]] = {}  # (key, connection?) -> (tokens, at)
-        self._handshakes: dict[str, int] = {}
-        self._nhandshakes = 0
-        self._inflight: dict[str, int] = {}
-        self._ninflight = 0
+        self._handshakes = SharedCap(self.limits.handshakes_per_addr, self.limits.handshakes_total)
+        self._inflight = SharedCap(self.limits.inflight_per_addr, self.limits.inflight_total)
         self._conns: dict[str, dict[Gate, None]] = {}  # key -> its open connections, oldest first
         self._nconns = 0
         self._next_purge = 0.0
@@ -157,27 +188,16 @@ class Limiter:
 
     def admit_request(self, key: str) -> str | None:
         """None if a request from `key` may be handled now (count it; call `done`), else why not."""
-        lim = self.limits
-        n = self._inflight.get(key, 0)
-        if n >= lim.inflight_per_addr:
-            return "requests in flight"
-        if self._ninflight >= lim.inflight_total and n >= self._fair(lim.inflight_total, len(self._inflight)):
-            return "requests in flight (all addresses)"
+        why = self._inflight.full(key)
+        if why is not None:
+            return "requests in flight" if why == "per address" else "requests in flight (all addresses)"
         if not self.take(key):
             return "request rate"
-        self._inflight[key] = n + 1
-        self._ninflight += 1
+        self._inflight.take(key)
         return None
 
     def done(self, key: str) -> None:
-        self._ninflight -= 1
-        n = self._inflight.pop(key) - 1
-        if n:
-            self._inflight[key] = n
-
-    @staticmethod
-    def _fair(total: int, addresses: int) -> int:
-        return max(1, total // max(1, addresses))
+        self._inflight.give(key)
 
     @web.middleware
     async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
@@ -210,7 +230,7 @@ class Limiter:
             return "connections"
         if self._nconns >= lim.conns_total:
             heaviest = max(self._conns, key=lambda k: len(self._conns[k]))
-            if n >= self._fair(lim.conns_total, len(self._conns)) or len(self._conns[heaviest]) <= n + 1:
+            if n >= fair_share(lim.conns_total, len(self._conns)) or len(self._conns[heaviest]) <= n + 1:
                 return "connections (all addresses)"
             victim = next(iter(self._conns[heaviest]))
             self.closed(victim, heaviest)  # (counted out now: its `connection_lost` comes later)
@@ -231,25 +251,18 @@ class Limiter:
 
     def admit_handshake(self, key: str) -> str | None:
         """None if a TLS handshake from `key` may start now (call `handshake_done` after), else why not."""
-        lim = self.limits
-        n = self._handshakes.get(key, 0)
-        if n >= lim.handshakes_per_addr:
-            return "TLS handshakes"
-        if self._nhandshakes >= lim.handshakes_total and n >= self._fair(lim.handshakes_total, len(self._handshakes)):
-            return "TLS handshakes (all addresses)"
-        self._handshakes[key] = n + 1
-        self._nhandshakes += 1
+        why = self._handshakes.full(key)
+        if why is not None:
+            return "TLS handshakes" if why == "per address" else "TLS handshakes (all addresses)"
+        self._handshakes.take(key)
         return None
 
     def handshake_done(self, key: str) -> None:
-        self._nhandshakes -= 1
-        n = self._handshakes.pop(key) - 1
-        if n:
-            self._handshakes[key] = n
+        self._handshakes.give(key)
 
     def connections(self, key: str | None = None) -> int:
         return self._nconns if key is None else len(self._conns.get(key, ()))
 
     def snapshot(self) -> dict[str, int]:
         """Counters for a status page or a benchmark: refusals, evictions, open connections."""
-        return {**self.stats, "open_connections": self._nconns, "requests_in_flight": self._ninflight}
+        return {**self.stats, "open_connections": self._nconns, "requests_in_flight": self._inflight.count}
