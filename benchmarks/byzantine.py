@@ -40,7 +40,8 @@ QUICK_ATTACKS = ("scale1000", "top_of_range", "owner_scaled", "owner_flip")
 # what the honest learners' summaries count of the attack (summed over the three)
 COUNTERS = [("shard", "deltas_dropped_Malformed"), ("shard", "deltas_dropped_StaleVersion"), ("shard", "audits_failed"),
             ("shard", "audits_passed"), ("sync", "updates_unauthorized"), ("sync", "updates_refused_norm"),
-            ("sync", "updates_refused_distrusted")]
+            ("sync", "updates_refused_distrusted"), ("shard", "accusations_upheld"), ("shard", "accusations_dismissed"),
+            ("sync", "distrusted_versions_left")]
 
 
 def log(*a: object) -> None:

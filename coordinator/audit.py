@@ -86,6 +86,12 @@ def recompute(f: UpdateFields, frames: Sequence[bytes | memoryview], open_frame:
     return result.delta, new_momentum, scale, result.norms
 
 
+def checkable(f: UpdateFields, frames: Sequence[memoryview], kept: tuple[Version, Encoded | None] | None) -> bool:
+    """Whether update `f` can be recomputed from `frames` and the momentum `kept` of its base: the delta frames
+    came, and the base's momentum is of the owner's own term (the first version of a term is not checked)."""
+    return bool(frames) and kept is not None and kept[0] == f.base and f.base.term == f.new.term
+
+
 def matches(published: torch.Tensor, reference: torch.Tensor, scale: float, codec: str) -> bool:
     """‖published − reference‖ within the codec's tolerance of `scale`."""
     return l2_norm(published - reference) <= TOLERANCE.get(codec, 0.5) * scale + 1e-30
@@ -114,9 +120,10 @@ class UpdateGuard:
         if (digest, steps, tokens) not in self.sent[p]:
             self.sent[p].append((digest, steps, tokens))
 
-    def check_signer(self, p: int, new: Version, signer: str) -> None:
-        """Refuse anything a distrusted peer signed, and a version this peer refused before."""
-        if signer in self.distrusted or (p, new) in self.refused:
+    def check_signer(self, p: int, new: Version, signer: str | None) -> None:
+        """Refuse anything a distrusted peer signed, and a version this peer refused before (`signer` None:
+        only the latter, for the version a new owner builds on, coordinator/distrust.py)."""
+        if (signer is not None and signer in self.distrusted) or (p, new) in self.refused:
             self.stats["updates_refused_distrusted"] += 1
             raise RefusedUpdate(f"version {new} of fragment {p} comes from {signer[:8]}, whose updates this peer "
                                 f"refused")
@@ -129,10 +136,12 @@ class UpdateGuard:
             self.refuse(f.p, f.new, signer, reason)
 
     def check_install(self, p: int, new: Version, signer: str, jump: float, anchor_norm: float, versions: int,
-                      numel: int) -> None:
+                      numel: int, *, leaving: bool = False) -> None:
         """A whole fragment replacing a held one (a catch-up download) moves the anchor by `jump` over
-        `versions` versions: the norm bounds of `check` apply to it, `versions` times over."""
-        self.check_signer(p, new, signer)
+        `versions` versions: the norm bounds of `check` apply to it, `versions` times over. `leaving`: the
+        version a new owner builds on, replacing one of a distrusted publisher (coordinator/distrust.py): it
+        may be signed by that publisher too (the owner refused only its last versions)."""
+        self.check_signer(p, new, None if leaving else signer)
         reason = self._outlier(p, jump / max(versions, 1), anchor_norm, numel)
         if reason is not None:
             self.refuse(p, new, signer, f"a download that {reason.replace('its norm', 'moves the anchor by')}")
@@ -208,25 +217,33 @@ class Auditor:
         the momentum this replica kept of its base; raise `AuditFailed` if it does not match. Skipped (counted)
         when the replica cannot: no frames, or no momentum of the base from this owner's own term. Runs in a
         worker thread: changes nothing but its counters."""
-        if not frames or kept is None or kept[0] != f.base or f.base.term != f.new.term:
+        if not checkable(f, frames, kept):
             self.stats["audits_skipped"] += 1
             return
-        p, numel = f.p, self.numel(f.p)
-        previous = kept[1].decode(numel) if kept[1] is not None else None
         try:
-            ref, ref_momentum, scale, norms = recompute(f, frames, self.open_frame, self.codec, numel,
-                                                 self.embedding_numel(p), self.outer, self.max_share, self.clip_c,
-                                                 previous, self.P)
-            ok = matches(update.decode(numel), ref, scale, self.codec.name)
-            if ok and ref_momentum is not None and momentum is not None:
-                ok = matches(momentum.decode(numel), ref_momentum, scale / self.outer.lr, self.codec.name)
-            if not ok:
-                raise AuditFailed(f"update {f.new} of fragment {p} is not the merge of the deltas it names")
+            norms = self.verify(f, update, frames, kept, momentum)
         except ProtocolError as e:
             self.stats["audits_failed"] += 1
             raise AuditFailed(f"recomputed by a replica: {e}") from None
         self.stats["audits_passed"] += 1
-        self.norms[p].extend(norms)
+        self.norms[f.p].extend(norms)
+
+    def verify(self, f: UpdateFields, update: Encoded, frames: Sequence[memoryview],
+               kept: tuple[Version, Encoded | None], momentum: Encoded | None) -> list[float]:
+        """The recomputation itself, for a `checkable` update: the clipped norms merged if it matches, else
+        `AuditFailed` (or the `ProtocolError` of a frame or payload that does not open). Counts nothing; also
+        what an accusation's evidence is judged by (coordinator/accuse.py)."""
+        p, numel = f.p, self.numel(f.p)
+        previous = kept[1].decode(numel) if kept[1] is not None else None
+        ref, ref_momentum, scale, norms = recompute(f, frames, self.open_frame, self.codec, numel,
+                                                    self.embedding_numel(p), self.outer, self.max_share,
+                                                    self.clip_c, previous, self.P)
+        ok = matches(update.decode(numel), ref, scale, self.codec.name)
+        if ok and ref_momentum is not None and momentum is not None:
+            ok = matches(momentum.decode(numel), ref_momentum, scale / self.outer.lr, self.codec.name)
+        if not ok:
+            raise AuditFailed(f"update {f.new} of fragment {p} is not the merge of the deltas it names")
+        return norms
 
     def report(self, f: UpdateFields, signer: str, error: AuditFailed) -> None:
         """On the loop, after `check` failed: one log line, and `signer`'s updates are refused from now on."""

@@ -171,15 +171,18 @@ class FragmentStore:
             return held.anchor, held.label, held.generation
 
     def install(self, p: int, anchor: Tensor, label: Version, cert: bytes, *, repair_of: int | None = None,
-                adopt: bool = False) -> None:
+                adopt: bool = False, replacing: Version | None = None) -> None:
         """Replace the whole anchor (a joiner's download, or a learner that fell too far behind).
         `repair_of`: the generation of an anchor of the same label that the caller found to differ from the
         certified bytes (`read`, then its digest): that one is replaced too, if not written since. `adopt`:
-        keep `anchor` itself (a fresh tensor the caller hands over) instead of copying it."""
+        keep `anchor` itself (a fresh tensor the caller hands over) instead of copying it. `replacing`: the
+        held version, signed by a publisher this peer no longer trusts, that a lower `label` may replace
+        (coordinator/distrust.py); the only way a label goes back."""
         with self.lock:
             held = self.held[p]
             same = repair_of is not None and label == held.label and repair_of == held.generation
-            if not (label > held.label or same):
+            leaving = replacing is not None and held.label == replacing and label != replacing
+            if not (label > held.label or same or leaving):
                 raise StaleVersion(f"fragment {p} is already at {held.label}, not installing {label}")
             if anchor.numel() != held.anchor.numel():
                 raise ValueError(f"fragment {p} has {held.anchor.numel()} elements, got {anchor.numel()}")
@@ -219,6 +222,11 @@ class FragmentStore:
             self.held[p].generation += 1
             self.unset.discard(p)
             return True
+
+    def cert(self, p: int) -> bytes:
+        """The certificate of the version of p held now (b"" at genesis)."""
+        with self.lock:
+            return self.held[p].cert
 
     def updates_after(self, p: int, label: Version) -> list[bytes] | None:
         """The kept update frames that lead from `label` to the current version, or None if not all are kept."""

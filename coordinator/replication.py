@@ -41,9 +41,11 @@ from .wire import (
     ROUTE_REPLICATE,
     ReplicateFields,
     UpdateFields,
+    momentum_digest,
     pack_momentum,
     path_fragment,
     replicate_payload_max,
+    split_replicate,
 )
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,9 @@ class Replication:
         self.identity, self.spec, self.store, self.members, self.client = identity, spec, store, membership, client
         self.sync, self.codec, self.pool, self.stats = sync, codec, pool, stats
         self.kept: dict[int, tuple[Version, Encoded | None]] = {}  # p -> replicated (version, momentum)
+        # p -> the prefix of the owner's replicate that `kept[p]`'s momentum came in (its `mdigest` names those
+        # bytes): with them it is evidence of what the owner replicated, for an accusation (coordinator/accuse.py)
+        self.evidence: dict[int, bytes] = {}
         self.restored: dict[int, Version] = {}  # p -> the version whose kept momentum came from a checkpoint
         self.terms_seen = [0] * len(store)  # p -> the highest term an owner replicated to us
         self._alone_since: float | None = None  # when the owner last found no other live member (`_alone`)
@@ -85,12 +90,16 @@ class Replication:
         # the momentum this peer's owner of p holds at a version (`Takeover.served`), when nothing is kept
         self.served_by_owner: Callable[[int, Version], Encoded | None] = lambda p, label: None
         self.auditor: Auditor | None = None  # recomputes the updates we are asked to hold (set by the shard)
+        # (update fields, signer, the base's replicate prefix and momentum, the refused replicate): an audit failed
+        self.on_audit_failed: Callable[[UpdateFields, str, bytes | None, Encoded | None, Envelope], None] = \
+            lambda f, signer, prefix, momentum, env: None
         server.add_envelope_route(ROUTE_REPLICATE, verifier, self._on_replicate, kinds={REPLICATE},
                                   max_payload=replicate_payload_max(codec, store.max_numel()))
         server.add_route("GET", ROUTE_MOMENTUM, self._serve_momentum)
 
     def take(self, p: int) -> tuple[Version, Encoded | None] | None:
         """What we keep of fragment p (its version and momentum), handed to a takeover and forgotten here."""
+        self.evidence.pop(p, None)
         return self.kept.pop(p, None)
 
     def keep(self, p: int, label: Version, momentum: torch.Tensor) -> None:
@@ -99,6 +108,7 @@ class Replication:
         if p not in self.kept or self.kept[p][0] <= label:
             self.kept[p] = (label, fp32_copy(momentum))
             self.restored.pop(p, None)
+            self.evidence.pop(p, None)
 
     def restore(self, p: int, label: Version, momentum: Encoded) -> None:
         """Keep the momentum of version `label` that this peer's checkpoint saved (a restart of every member
@@ -106,6 +116,7 @@ class Replication:
         if p not in self.kept or self.kept[p][0] < label:
             self.kept[p] = (label, momentum)
             self.restored[p] = label
+            self.evidence.pop(p, None)
 
     # -- owner side -----------------------------------------------------------------------------------------
 
@@ -123,11 +134,12 @@ class Replication:
         self._alone_since = None
         # (encoded, joined and sealed in worker threads: the loop keeps answering meanwhile)
         mmeta, mbytes = await asyncio.to_thread(self.codec.encode, momentum) if momentum is not None else (None, b"")
+        mdigest = await asyncio.to_thread(momentum_digest, mbytes) if momentum is not None else None
         if len(deltas) > MAX_AUDITED_DELTAS or not all(deltas):
             deltas = ()  # (too many to carry, or one without its frame: not recomputed)
         payload = await asyncio.to_thread(join_bytes, update.prefix(), update.payload, mbytes, *deltas)
         fields = ReplicateFields(p, term, label, False, update.frame_size(), mmeta,
-                                 tuple(len(d) for d in deltas)).to_fields()
+                                 tuple(len(d) for d in deltas), mdigest).to_fields()
 
         silent: set[str] = set()
 
@@ -183,8 +195,10 @@ class Replication:
         if url is None or not cert:
             return False
         label = UpdateFields.parse(self.sync.verifier.certificate(cert).fields, len(self.store)).new
-        fields = ReplicateFields(p, term, label, True, len(cert), None).to_fields()
-        payload = await asyncio.to_thread(join_bytes, cert, anchor.numpy(), momentum.contiguous().numpy())
+        momentum = momentum.contiguous()
+        mdigest = await asyncio.to_thread(momentum_digest, momentum.numpy())
+        fields = ReplicateFields(p, term, label, True, len(cert), None, (), mdigest).to_fields()
+        payload = await asyncio.to_thread(join_bytes, cert, anchor.numpy(), momentum.numpy())
         try:
             env = await asyncio.to_thread(seal, self.identity, REPLICATE, self.spec.run_id, fields, payload)
             await self.client.send_envelope(url, ROUTE_REPLICATE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
@@ -208,26 +222,26 @@ class Replication:
         self.terms_seen[f.p] = max(self.terms_seen[f.p], f.term)
         head, rest = payload[: f.update_len], payload[f.update_len :]
         if not f.full:
-            if sum(f.deltas) > len(rest):
-                raise Malformed("replicate delta frames are longer than its payload")
-            frames, end = [], len(rest)
-            for n in reversed(f.deltas):  # the delta frames close the payload
-                frames.insert(0, rest[end - n : end])
-                end -= n
-            rest = rest[:end]
+            head, rest, frames = split_replicate(f, payload)
             update = self.sync.verifier.open(head, fresh=False)  # (views, not copies: see `join_bytes`)
             if update.sender != env.sender:
                 raise Unauthorized("a replication carries its sender's own update")
+            if (f.mdigest is not None) != bool(f.momentum) or (f.mdigest is not None
+                                                               and await asyncio.to_thread(momentum_digest, rest) != f.mdigest):
+                raise Malformed("replicate mdigest is not the SHA-256 of its momentum bytes")
             if self.auditor is not None:
                 uf = UpdateFields.parse(update.fields, len(self.store))
                 if uf.p != f.p:
                     raise Malformed("a replication carries an update of another fragment")
+                kept = self.kept.get(f.p)
                 try:
                     await asyncio.to_thread(
                         self.auditor.check, uf, Encoded(self.codec, uf.codec, update.payload), frames,
-                        self.kept.get(f.p), Encoded(self.codec, f.momentum, rest) if f.momentum else None)
+                        kept, Encoded(self.codec, f.momentum, rest) if f.momentum else None)
                 except AuditFailed as e:
+                    prefix = self.evidence.get(f.p)  # (taken before the report: it moves p, and `kept` with it)
                     self.auditor.report(uf, peer_id_of(env.sender), e)
+                    self.on_audit_failed(uf, peer_id_of(env.sender), prefix, kept[1] if kept else None, env)
                     raise
             try:
                 await self.sync.apply_update(update, verify=True, pushed=True)
@@ -253,9 +267,15 @@ class Replication:
             fp32 = get_codec("fp32")
             momentum = Encoded(fp32, {"codec": "fp32", "shape": [numel]},
                                await asyncio.to_thread(join_bytes, rest[4 * numel :]))
+            if await asyncio.to_thread(momentum_digest, momentum.payload) != f.mdigest:
+                raise Malformed("replicate mdigest is not the SHA-256 of its momentum bytes")
             momentum.decode(numel)  # the fp32 codec refuses non-finite values
         self.kept[f.p] = (f.label, momentum)
         self.restored.pop(f.p, None)
+        if momentum is not None:
+            self.evidence[f.p] = env.prefix()
+        else:
+            self.evidence.pop(f.p, None)
         if self.sync.journal is not None and momentum is not None:  # kept across a kill -9, as the version is
             self.sync.journal.momentum(f.p, f.label, momentum)
         self.stats["replications_received"] += 1

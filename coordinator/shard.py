@@ -24,6 +24,7 @@ from diloco.protocol.errors import ProtocolError, Unavailable
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
+from .accuse import Accusations
 from .audit import Auditor
 from .authority import next_term
 from .buffers import BufferPool
@@ -100,6 +101,10 @@ class Shard:
                                            self.outer, spec.max_share, self.settings.clip_c, len(store),
                                            lambda frame: self.verifier.open(frame, fresh=False), sync.guard,
                                            self.stats)
+        self.accusations = Accusations(identity, spec, store, membership, client, server, self.codec,
+                                       self.replication.auditor, sync.guard,
+                                       lambda key: self.verifier.is_member(key), self._spawn, self.stats)
+        self.replication.on_audit_failed = self.accusations.accuse
         self.takeover = Takeover(store, membership, client, sync, self.replication, self.codec, self.outer,
                                  self.owners, self.stats, self._spawn)
         sync.on_local_delta = self.accept_delta

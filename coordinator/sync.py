@@ -29,6 +29,7 @@ from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, Trans
 from .audit import UpdateGuard
 from .authority import Unauthorized, check_update
 from .buffers import BufferPool
+from .distrust import Distrust
 from .fragments import KEEP_UPDATES, DigestMismatch, Encoded, FragmentStore, Move, anchor_digest
 from .membership import Membership
 from .runspec import RunSpec
@@ -105,7 +106,8 @@ class FragmentSync:
         self.on_local_delta: Callable[[Envelope], None] | None = None
         self.journal: VersionJournal | None = None  # set by the learner when it keeps checkpoints
         # the checks of an owner's work this learner can make (coordinator/audit.py)
-        self.guard = UpdateGuard(membership.peer_id, membership.distrust, self.stats)
+        self.guard = UpdateGuard(membership.peer_id, lambda peer: self.distrust.distrusted(peer), self.stats)
+        self.distrust = Distrust(self)
         if server is not None:
             server.add_envelope_route(ROUTE_UPDATE, self.verifier, self._on_update, kinds={UPDATE}, fresh=False,
                                       max_payload=tensor_payload_max(codec, store.max_numel()))
@@ -224,6 +226,7 @@ class FragmentSync:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.distrust.close()
 
     def catch_up(self, p: int, sources: list[str]) -> asyncio.Task:
         """Fetch the versions of fragment p we miss, in the background (one task per fragment at a time)."""
@@ -286,15 +289,16 @@ class FragmentSync:
         self.stats["caught_up_by_updates"] += 1
         return True
 
-    async def fetch_fragment(self, p: int, url: str, repair: bool = False) -> bool:
+    async def fetch_fragment(self, p: int, url: str, repair: bool = False, replacing: Version | None = None) -> bool:
         """Download Θ_p whole from `url`, check it against its certificate, install it if newer (or, with
-        `repair`, if it is the same version with other bytes than ours)."""
+        `repair`, if it is the same version with other bytes than ours; with `replacing`, if we still hold that
+        version of a distrusted publisher: coordinator/distrust.py)."""
         # the download lands in the fragment's own anchor while that holds no values yet, else in a new tensor
         reader = FragmentReader(self.store.numel(p), into=self.store.begin_download(p))
         try:
             await self.client.request("GET", url, f"/v1/fragment/{p}", idempotent=True, retries=0,
                                       max_response=fragment_body_max(self.store.numel(p)), sink=reader)
-            return await self._check_and_install(p, reader, repair)
+            return await self._check_and_install(p, reader, repair, replacing)
         except RemoteError as e:
             if e.status == 404:
                 return False
@@ -303,13 +307,15 @@ class FragmentSync:
             if reader.into is not None:
                 self.store.end_download(p)
 
-    async def _check_and_install(self, p: int, reader: FragmentReader, repair: bool) -> bool:
+    async def _check_and_install(self, p: int, reader: FragmentReader, repair: bool,
+                                 replacing: Version | None = None) -> bool:
         cert = self.verifier.certificate(reader.cert)
         f = UpdateFields.parse(cert.fields, self.P)
         if f.p != p:
             raise Malformed(f"fragment download does not match fragment {p}")
         self.authorize(f, cert.sender, pushed=False)
-        self.guard.check_signer(p, f.new, peer_id_of(cert.sender))
+        leaving = replacing is not None and self.store.label(p) == replacing and f.new != replacing
+        self.guard.check_signer(p, f.new, None if leaving else peer_id_of(cert.sender))
         # SHA-256 releases the GIL: in a thread, downloads of several fragments hash in parallel, and the
         # event loop keeps receiving meanwhile
         if await asyncio.to_thread(anchor_digest, reader.anchor) != f.digest:
@@ -318,16 +324,17 @@ class FragmentSync:
             held, label, _ = self.store.read(p)
             jump, held_norm = await asyncio.to_thread(lambda: (l2_norm(reader.anchor - held), l2_norm(held)))
             self.guard.check_install(p, f.new, peer_id_of(cert.sender), jump, held_norm,
-                                     abs(f.new.version - label.version), self.store.numel(p))
+                                     abs(f.new.version - label.version), self.store.numel(p), leaving=leaving)
         repair_of = None
         if repair and f.new == self.store.label(p) and p not in self.store.unset:
             anchor, label, generation = self.store.read(p)  # ours, hashed outside the lock too
             if label != f.new or await asyncio.to_thread(anchor_digest, anchor) == f.digest:
                 return True  # same version, same bytes (or moved on meanwhile): nothing to repair
             repair_of = generation
-        if f.new > self.store.label(p) or repair_of is not None:
+        if f.new > self.store.label(p) or repair_of is not None or leaving:
             with contextlib.suppress(StaleVersion):  # (another version or write landed meanwhile)
-                self.store.install(p, reader.anchor, f.new, reader.cert, repair_of=repair_of, adopt=True)
+                self.store.install(p, reader.anchor, f.new, reader.cert, repair_of=repair_of, adopt=True,
+                                   replacing=replacing if leaving else None)
                 self.stats["full_downloads"] += 1
                 if self.journal is not None:
                     self.journal.fragment(reader.cert, reader.anchor)

@@ -8,6 +8,7 @@ bytes (`diloco.protocol.codecs`), decoded only by the codec, which checks its ow
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 from dataclasses import dataclass
@@ -22,18 +23,20 @@ from diloco.protocol.errors import Malformed
 
 from .version import Version
 
-DELTA, UPDATE, REPLICATE = "delta", "update", "replicate"
+DELTA, UPDATE, REPLICATE, ACCUSE = "delta", "update", "replicate", "accuse"
 MAX_LEARNERS = 4096
 MAX_TENSOR_PAYLOAD = 1 << 31  # 2 GiB: an fp32 fragment of 512M parameters
-for _kind in (DELTA, UPDATE, REPLICATE):
+for _kind in (DELTA, UPDATE, REPLICATE, ACCUSE):
     register_kind(_kind, MAX_TENSOR_PAYLOAD)
 
 ROUTE_DELTA = "/v1/delta"
 ROUTE_UPDATE = "/v1/update"
 ROUTE_REPLICATE = "/v1/replicate"
+ROUTE_ACCUSE = "/v1/accuse"
 ROUTE_FRAGMENT = "/v1/fragment/{p}"  # GET: u32 cert_len | cert | fp32 anchor
 ROUTE_UPDATES = "/v1/updates/{p}"  # GET ?after=T.V[&wait=S]: canonical list of update frames
 ROUTE_STATUS = "/v1/status"
+ROUTE_METRICS = "/metrics"  # GET: Prometheus text exposition (docs/status.md)
 ROUTE_MOMENTUM = "/v1/momentum/{p}"  # GET ?label=T.V: u32 meta_len | meta | codec payload
 ROUTE_VERSIONS = "/v1/versions"  # GET: canonical list of [term, version], one per fragment
 
@@ -183,14 +186,18 @@ class ReplicateFields:
     update_len: int
     momentum: dict[str, Any] | None
     deltas: tuple[int, ...] = ()  # byte lengths of the merged delta frames at the payload's end
+    # SHA-256 of the momentum's bytes (codec payload, or fp32 in the full form); None: no momentum. Signed in
+    # the header, so the header alone and those bytes prove what the owner replicated (an accusation, §7.20).
+    mdigest: bytes | None = None
 
     def to_fields(self) -> dict[str, Any]:
         return {"p": self.p, "term": self.term, "label": self.label.to_wire(), "full": self.full,
-                "update_len": self.update_len, "momentum": self.momentum, "deltas": list(self.deltas)}
+                "update_len": self.update_len, "momentum": self.momentum, "deltas": list(self.deltas),
+                "mdigest": self.mdigest}
 
     @classmethod
     def parse(cls, f: dict[str, Any], P: int) -> ReplicateFields:
-        _exact(f, {"p", "term", "label", "full", "update_len", "momentum", "deltas"}, REPLICATE)
+        _exact(f, {"p", "term", "label", "full", "update_len", "momentum", "deltas", "mdigest"}, REPLICATE)
         if not isinstance(f["full"], bool):
             raise Malformed("replicate 'full' must be a bool")
         momentum = None if f["momentum"] is None else _meta(f, "momentum")
@@ -198,8 +205,11 @@ class ReplicateFields:
         if not isinstance(deltas, list) or len(deltas) > MAX_LEARNERS or (f["full"] and deltas):
             raise Malformed(f"replicate deltas must be a list of at most {MAX_LEARNERS} lengths (none when full)")
         lengths = tuple(_int({"d": d}, "d") for d in deltas)
+        mdigest = f["mdigest"]
+        if mdigest is not None and (not isinstance(mdigest, bytes) or len(mdigest) != 32):
+            raise Malformed("replicate mdigest must be 32 bytes or nil")
         return cls(_int(f, "p", 0, P - 1), _int(f, "term"), Version.from_wire(f["label"]), f["full"],
-                   _int(f, "update_len"), momentum, lengths)
+                   _int(f, "update_len"), momentum, lengths, mdigest)
 
 
 MAX_CERT = 70_000  # bytes of an update certificate in a fragment body, at most
@@ -264,6 +274,51 @@ def replicate_payload_max(codec: Codec, numel: int) -> int:
     up to MAX_AUDITED_DELTAS delta frames, or (the full form) a certificate and the fp32 anchor and momentum."""
     frame = frame_limit(codec.encoded_size(numel))
     return max(frame + codec.encoded_size(numel) + MAX_AUDITED_DELTAS * frame, MAX_CERT + 8 * numel)
+
+
+def momentum_digest(data: bytes | memoryview | Any) -> bytes:
+    """`ReplicateFields.mdigest`: SHA-256 of a momentum's bytes (any buffer); called in a worker thread."""
+    return hashlib.sha256(data).digest()
+
+
+def split_replicate(f: ReplicateFields, payload: memoryview) -> tuple[memoryview, memoryview, list[memoryview]]:
+    """The parts of a normal `replicate` payload (views, not copies): the update frame, the momentum bytes, and
+    the delta frames at its end. Raises `Malformed` when the lengths do not fit."""
+    head, rest = payload[: f.update_len], payload[f.update_len :]
+    if f.update_len > len(payload) or sum(f.deltas) > len(rest):
+        raise Malformed("replicate update and delta frames are longer than its payload")
+    frames, end = [], len(rest)
+    for n in reversed(f.deltas):  # the delta frames close the payload
+        frames.insert(0, rest[end - n : end])
+        end -= n
+    return head, rest[:end], frames
+
+
+@dataclass(frozen=True)
+class AccuseFields:
+    """Any peer → members: evidence that an owner published update `new` of fragment p that is not the merge
+    it names (docs/protocol.md §7.20). Payload: the prefix of the owner's `replicate` of `new`'s base
+    (`base_len` bytes: header and signature only), the momentum bytes that prefix's `mdigest` names
+    (`momentum_len`), then the owner's whole `replicate` frame of `new`."""
+
+    p: int
+    new: Version
+    base_len: int
+    momentum_len: int
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"p": self.p, "new": self.new.to_wire(), "base_len": self.base_len, "momentum_len": self.momentum_len}
+
+    @classmethod
+    def parse(cls, f: dict[str, Any], P: int) -> AccuseFields:
+        _exact(f, {"p", "new", "base_len", "momentum_len"}, ACCUSE)
+        return cls(_int(f, "p", 0, P - 1), Version.from_wire(f["new"]), _int(f, "base_len", 1, MAX_CERT),
+                   _int(f, "momentum_len"))
+
+
+def accuse_payload_max(codec: Codec, numel: int) -> int:
+    """The largest `accuse` payload: a replicate prefix, an fp32 momentum (the largest form) and a replicate frame."""
+    return MAX_CERT + 4 * numel + frame_limit(replicate_payload_max(codec, numel))
 
 
 def fragment_body_max(numel: int) -> int:

@@ -185,6 +185,17 @@ def test_a_replica_recomputes_a_dishonest_owners_merge_and_refuses_it(swarm, mem
         assert failed() >= 1
         assert h.swarm.shard.stats["replicate_refused_403"] >= 1
         assert total(urls, "shard", "audits_passed") >= 1  # honest owners' merges recompute
+
+        def convinced() -> list[int]:  # per honest peer: recomputed it as the replica, or upheld the accusation
+            shards = [s["shard"] for s in statuses(urls)] + [dict(member.swarm.shard.stats)]
+            return [sh.get("audits_failed", 0) + sh.get("accusations_upheld", 0) for sh in shards]
+
+        wait_until(lambda: min(convinced()) >= 1, 15, "every honest peer refusing the flipping owner", poll=0.5)
+        slot = term_slot(h.key.peer_id)
+        h.train(10)  # its fragment moved to the replica in every honest view: the flipped version is replaced
+        wait_until(lambda: all(Version.parse(f["version"]).term % TERM_SLOTS != slot
+                               for s in statuses(urls) for f in s["fragments"]), 30,
+                   "no honest learner on a version of the flipping owner's term", poll=0.5)
         assert_healthy(urls, before)
     finally:
         h.close()
