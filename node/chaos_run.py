@@ -7,13 +7,18 @@ The steps, all in one run and one output folder:
 3. draw one seeded fault schedule and run each requested mode on it (`node/chaos.py`);
 4. run the decoupled fleet once more without faults: its eval loss at the decoupled run's merged tokens is
    `no_failure_eval_loss` (quality compared at equal tokens, as in the paper);
-5. compute goodput and the invariants from the learners' reports (`node/goodput.py`), the simulator's
-   prediction for the same fleet (`node/simulate.py`), and draw the plots (`node/chaos_plot.py`).
+5. compute goodput and the invariants from the learners' reports (`node/goodput.py`), what the fleet simulator
+   (`node/simulate_restart.py`, profile `localhost`) says of the same fleet, and draw the plots
+   (`node/chaos_plot.py`). Two simulator figures per mode, both in docs/chaos.md: `predicted_goodput`, made
+   before any fleet runs from the calibration, the schedule's MTBF and the configured down time only; and
+   `replayed_goodput`, the run's own kill schedule replayed with the costs measured in that very run (a check
+   of the model, not a prediction).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -28,6 +33,7 @@ from .chaos import Fleet, FleetRun, fault_schedule
 MODES = ("decoupled", "sync")
 RESULT_KEYS = ("goodput", "final_eval_loss", "merged_tokens", "failures", "version_regressions",
                "unloadable_checkpoints", "lost_accepted_updates")
+PREDICTION_KEYS = ("predicted_goodput", "replayed_goodput")
 
 
 @dataclass
@@ -151,14 +157,53 @@ def sync_restart_s(run: FleetRun) -> float:
     return statistics.fmean(spans) if spans else 0.0
 
 
-def predict(run: FleetRun, opts: ChaosOptions, nominal: dict[int, float]) -> dict[str, Any]:
-    """The simulator's goodput for this very fleet: its kill schedule replayed with the costs measured here.
+def calibration_restart_s(calib: FleetRun, sync: bool) -> float:
+    """The restart time a prediction may use, measured in the calibration (no fault, no fleet yet).
+
+    Sync: from the first launch to every learner's first inner step, as a synchronous relaunch (all learners at
+    once, sharing the CPUs) waits for all of them. Decoupled: the median CPU seconds of a learner's start-up,
+    which is what a relaunch takes in wall time with a core of its own (the harness gives it one, docs/chaos.md);
+    its wall time when the learner did not report them."""
+    incs = [i for i in calib.incarnations if i.first_step_at is not None]
+    if not incs:
+        return 0.0
+    if sync:
+        return max(i.first_step_at for i in incs) - min(i.launched_at for i in incs)
+    cpu = [float(i.startup["cpu"]["total"]) for i in incs if isinstance(i.startup.get("cpu"), dict)
+           and "total" in i.startup["cpu"]]
+    return statistics.median(cpu) if cpu else statistics.median(i.first_step_at - i.launched_at for i in incs)
+
+
+def forecast(opts: ChaosOptions, calib: FleetRun, nominal: dict[int, float], mode: str) -> dict[str, Any]:
+    """The simulator's goodput for a fleet that has not run yet: its expectation (`localhost` profile) from
+    what is known before the run. Measured in the calibration: step time (1 / nominal rate) and restart time
+    (`calibration_restart_s`). From the options: the schedule's MTBF (every learner's MTBI, one "chip" per
+    learner), down time, run length, H, P and checkpoint period. Defaults, since nothing before the run measures
+    them: failure-free efficiency 1 (the calibration's own rate is the nominal one), merge latency 0, detection
+    0 (the harness aborts a sync job at once). Nothing here comes from the faulty run."""
+    from .simulate import SimParams, expected_goodput
+
+    sync = mode == "sync"
+    step_s = 1.0 / statistics.fmean(nominal.values())
+    params = SimParams(step_s=step_s, inner_steps=opts.inner_steps, fragments=opts.fragments, detect_s=0.0,
+                       downtime_s=opts.downtime_s, restart_s=calibration_restart_s(calib, sync), reconfig_s=0.0,
+                       ckpt_interval_s=opts.checkpoint_every * step_s, ckpt_write_s=0.0, merge_latency_s=0.0,
+                       horizon_s=opts.minutes * 60)
+    mtbi = opts.mtbf_s if opts.mtbf_s > 0 else math.inf
+    g = expected_goodput("dp" if sync else "decoupled", opts.peers, opts.peers, mtbi, params)
+    return {"predicted_goodput": round(g, 4), "prediction_params": _rounded(params)}
+
+
+def replay_goodput(run: FleetRun, opts: ChaosOptions, nominal: dict[int, float]) -> dict[str, Any]:
+    """The simulator's goodput for this very fleet after the fact: its kill schedule replayed with the costs
+    measured in this run.
 
     Measured inputs: step time (1 / nominal rate), restart time (process start to first inner step, the
     simulator's `restart_s`; its mean), failure-free step efficiency, and (decoupled)
     the work still unmerged at the end of the run, which sets L = H/2 steps + merge latency. Configured: down
     time, checkpoint period (checkpoint_every steps), H, P. Detection costs 0: the harness aborts a sync job at
-    once. The prediction is a check of the model, so none of the inputs is the goodput itself."""
+    once. A check of the model, so none of the inputs is the goodput itself; not a prediction, since half of
+    them come from the run it describes (that is `forecast`)."""
     from .simulate import SimParams, replay
 
     step_s = 1.0 / statistics.fmean(nominal.values())
@@ -179,8 +224,11 @@ def predict(run: FleetRun, opts: ChaosOptions, nominal: dict[int, float]) -> dic
                        merge_latency_s=merge_latency, sync_efficiency=efficiency, decoupled_efficiency=efficiency,
                        horizon_s=run.ended_at - run.started_at)
     g = replay("dp" if sync else "decoupled", opts.peers, failures, params)
-    return {"predicted_goodput": round(g, 4),
-            "sim_params": {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(params).items()}}
+    return {"replayed_goodput": round(g, 4), "replay_params": _rounded(params)}
+
+
+def _rounded(params: Any) -> dict[str, Any]:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(params).items()}
 
 
 def run_chaos(opts: ChaosOptions, say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -212,6 +260,9 @@ def run_chaos(opts: ChaosOptions, say: Callable[[str], None] = print) -> dict[st
         raise RuntimeError(f"calibration measured {len(nominal)} of {opts.peers} learners; see {out / 'standalone'}")
     say("nominal steps/s: " + ", ".join(f"{r:.2f}" for _, r in sorted(nominal.items())))
 
+    forecasts = {mode: forecast(opts, calib, nominal, mode) for mode in modes}  # before any fleet runs
+    say("predicted goodput: " + ", ".join(f"{m} {f['predicted_goodput']:.3f}" for m, f in forecasts.items()))
+
     runs: dict[str, FleetRun] = {}
     result: dict[str, Any] = {}
     for mode in modes:
@@ -219,7 +270,8 @@ def run_chaos(opts: ChaosOptions, say: Callable[[str], None] = print) -> dict[st
         say(f"running {mode} for {opts.minutes:g} min")
         runs[mode] = fleet(mode, mode, mode).run_for(seconds, faults, opts.downtime_s)
         result[mode] = summarize(runs[mode], opts.fragments, nominal)
-        result[mode].update(predict(runs[mode], opts, nominal))
+        result[mode].update(forecasts[mode])
+        result[mode].update(replay_goodput(runs[mode], opts, nominal))
         say(f"{mode}: {json.dumps(result[mode])}  ({time.monotonic() - t:.0f} s)")
     if opts.no_failure:
         say(f"running decoupled without faults for {opts.minutes:g} min (eval loss at equal tokens)")

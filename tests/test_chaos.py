@@ -7,7 +7,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from diloco.node.chaos_run import RESULT_KEYS, ChaosOptions, run_chaos
+from diloco.node.chaos_run import PREDICTION_KEYS, RESULT_KEYS, ChaosOptions, run_chaos
 from diloco.node.cli import main
 
 
@@ -39,6 +39,9 @@ def test_a_short_decoupled_chaos_run_restarts_killed_learners_and_keeps_every_in
     assert sum(e["event"] == "launch" for e in events) > opts.peers, "killed learners were restarted"
     link = next(e for e in events if e["event"] == "throttled_link")
     assert link["slot"] == 2 and link["forwarded_bytes"] > 0, "nobody reached learner 2 through its throttled link"
+    assert 0 < mode["predicted_goodput"] <= 1 and 0 < mode["replayed_goodput"] <= 1
+    assert mode["prediction_params"]["restart_s"] > 0, "the calibration measured no start-up"
+    assert mode["prediction_params"]["horizon_s"] == opts.minutes * 60  # configured, not the run's own length
 
 
 @pytest.mark.slow
@@ -73,7 +76,7 @@ def test_the_chaos_command_prints_its_json_and_plots(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result) == {"decoupled", "sync", "no_failure_eval_loss"}
     for name in ("decoupled", "sync"):
-        assert set(result[name]) == {*RESULT_KEYS, "predicted_goodput"}
+        assert set(result[name]) == {*RESULT_KEYS, *PREDICTION_KEYS}
         assert result[name]["version_regressions"] == result[name]["lost_accepted_updates"] == 0
         assert result[name]["unloadable_checkpoints"] == 0
     assert (tmp_path / "loss_vs_time.png").stat().st_size > 0 and (tmp_path / "goodput_vs_time.png").exists()
@@ -203,3 +206,41 @@ def test_a_learner_reports_where_its_start_up_went_with_its_first_step(tmp_path,
     assert events[1]["step"] == 1
     assert {"imports", "model", "first_step", "total", "cpu"} <= set(first)
     assert first["total"] >= first["imports"] > 0 and first["cpu"]["total"] > 0
+
+
+def test_the_prediction_uses_only_what_is_known_before_the_run():
+    """predicted_goodput (node/chaos_run.py `forecast`): the calibration's step time and start-up, the
+    schedule's MTBF and down time, the options; it matches the model's mean over the harness's own schedules."""
+    import statistics
+
+    from diloco.node.chaos import FleetRun, fault_schedule
+    from diloco.node.chaos_run import calibration_restart_s, forecast
+    from diloco.node.goodput import Incarnation
+    from diloco.node.simulate import SimParams, replay
+
+    def inc(slot, launched, first_step, cpu):
+        return Incarnation(slot, launched, joined_at=first_step - 0.3, first_step_at=first_step,
+                           startup={"total": first_step - launched, "cpu": {"total": cpu}})
+
+    calib = FleetRun("standalone", incarnations=[inc(0, 0.0, 9.0, 4.0), inc(1, 0.1, 9.6, 4.4),
+                                                 inc(2, 0.2, 8.8, 4.2), inc(3, 0.2, 10.1, 4.6)])
+    # a decoupled relaunch gets a core of its own: its start-up's CPU seconds (median); a sync relaunch starts
+    # every learner at once, as the calibration did: first launch to the last first step
+    assert calibration_restart_s(calib, sync=False) == pytest.approx(4.3)
+    assert calibration_restart_s(calib, sync=True) == pytest.approx(10.1)
+    no_cpu = FleetRun("standalone", incarnations=[Incarnation(0, 1.0, first_step_at=6.0)])
+    assert calibration_restart_s(no_cpu, sync=False) == 5.0  # no CPU report: the wall time
+    nominal = dict.fromkeys(range(4), 8.0)
+    opts = ChaosOptions(peers=4, minutes=5, mtbf_s=130.0, downtime_s=3.0)
+    for mode, sim_mode, tolerance in (("decoupled", "decoupled", 0.005), ("sync", "dp", 0.02)):
+        f = forecast(opts, calib, nominal, mode)
+        p = f["prediction_params"]
+        assert (p["step_s"], p["downtime_s"], p["horizon_s"]) == (0.125, 3.0, 300.0)
+        assert p["restart_s"] == pytest.approx(calibration_restart_s(calib, mode == "sync"), abs=1e-4)
+        params = SimParams(**p)
+        replays = []
+        for seed in range(400):
+            faults = fault_schedule(4, 300.0, opts.mtbf_s, opts.downtime_s, seed, owner_every=0)
+            replays.append(replay(sim_mode, 4, [[x.at for x in faults if x.slot == s] for s in range(4)], params))
+        assert f["predicted_goodput"] == pytest.approx(statistics.fmean(replays), abs=tolerance)
+    assert forecast(ChaosOptions(peers=3, mtbf_s=0.0), calib, nominal, "decoupled")["predicted_goodput"] > 0.99
