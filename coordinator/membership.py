@@ -40,6 +40,7 @@ ROUTE_AUTH = "/v1/auth"  # POST a signed auth record: a certified joiner's first
 MAX_AUTH_BODY = 64 * 1024
 AUTH_AT_ONCE = 4  # auth posts verified at the same time (each costs two or three signature checks)
 RELAY_S = 5.0  # how long an auth post waits for the record's relay into the DHT
+HEARD_KEPT_S = 3600.0  # a member not heard from for this long is forgotten (`Membership.heard`)
 AMENDMENT_RECORD_S = 23 * 3600  # the creator's own record of an amendment (the DHT keeps values 24 h at most;
 # every peer that adopted it relays it under its own subkey, refreshed with its member record)
 
@@ -137,6 +138,10 @@ class Membership:
         self._live_ids: frozenset[tuple[str, bool]] = frozenset()
         self._published_until: float | None = None  # our record's expiration, once stored
         self.polls = 0
+        # peer_id -> when its record was last refreshed, as far as this peer can tell (its expiration minus our
+        # TTL, or when we first read it if that is earlier); a peer that marked its record `left` is dropped,
+        # one whose record expired stays (`HEARD_KEPT_S`): the silent members an operator is told about
+        self.heard: dict[str, float] = {}
 
     # -- views ----------------------------------------------------------------------------------------------
 
@@ -151,6 +156,11 @@ class Membership:
                if m.expiration > now and (suspects or m.peer_id not in self.suspects) and m.peer_id != self.peer_id]
         out.append(Member(self.peer_id, self.own_record(), now + self.ttl_s))
         return out
+
+    def recorded(self) -> list[Member]:
+        """Members whose record has not expired, suspects included, this peer included (last): what an
+        operator is shown, each with its state (docs/status.md)."""
+        return self._unexpired(suspects=True)
 
     def servers(self) -> list[Member]:
         """Live members other than this peer that accept connections (not client-mode, with a URL)."""
@@ -232,6 +242,7 @@ class Membership:
         expiration = max(time.time() + self.ttl_s, (self._published_until or 0.0) + 1e-3)
         self._published_until = expiration
         await self.dht.store(self.key, record.encode(), expiration, subkey=self.peer_id)
+        self.heard[self.peer_id] = time.time()
 
     async def poll(self) -> None:
         if self.roster.open:
@@ -250,8 +261,11 @@ class Membership:
                 except ProtocolError as e:
                     log.debug("ignoring member record of %s: %s", peer_id[:8], e)
                     continue
-                if not record.left:
+                if record.left:
+                    self.heard.pop(peer_id, None)
+                else:
                     found[peer_id] = Member(peer_id, record, expiration)
+        self._heard(found)
         self.members = found
         for peer_id, at in list(self.suspects.items()):
             m = found.get(peer_id)
@@ -259,6 +273,17 @@ class Membership:
                 del self.suspects[peer_id]
         self.polls += 1
         self.changed()
+
+    def _heard(self, found: dict[str, Member]) -> None:
+        """Note the records refreshed since the last poll (`heard`); forget peers silent for `HEARD_KEPT_S`."""
+        now = time.time()
+        for peer_id, m in found.items():
+            before = self.members.get(peer_id)
+            if peer_id != self.peer_id and (before is None or m.expiration > before.expiration):
+                self.heard[peer_id] = min(now, m.expiration - self.ttl_s)
+        for peer_id, at in list(self.heard.items()):
+            if peer_id not in found and now - at > HEARD_KEPT_S:
+                del self.heard[peer_id]
 
     def _learn(self, auth: object) -> None:
         """Take the certificates and the newest amendment out of the auth records of a poll."""

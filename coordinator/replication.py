@@ -24,7 +24,7 @@ from diloco.protocol.codecs import Codec, get_codec
 from diloco.protocol.envelope import Envelope, EnvelopeVerifier, join_bytes, seal
 from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
 from diloco.protocol.identity import Identity, peer_id_of
-from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
+from diloco.protocol.transport import PeerClient, PeerServer, PeerUnreachable, RemoteError, TransportError
 
 from .audit import AuditFailed, Auditor
 from .authority import Unauthorized, check_replication
@@ -49,6 +49,7 @@ from .wire import (
 )
 
 log = logging.getLogger(__name__)
+FULL_RETRY_S = 0.25  # the first wait before a full replication that may pass is tried again (doubling, to 1 s)
 
 
 def fp32_copy(momentum: torch.Tensor) -> Encoded:
@@ -83,6 +84,9 @@ class Replication:
         # bytes): with them it is evidence of what the owner replicated, for an accusation (coordinator/accuse.py)
         self.evidence: dict[int, bytes] = {}
         self.restored: dict[int, Version] = {}  # p -> the version whose kept momentum came from a checkpoint
+        # p -> the version whose kept momentum came in a full replication: the owner's own fp32 momentum (its
+        # hand-over, or what it sent this replica when it was behind), not a copy decoded from the run's codec
+        self.handed: dict[int, Version] = {}
         self.terms_seen = [0] * len(store)  # p -> the highest term an owner replicated to us
         self._alone_since: float | None = None  # when the owner last found no other live member (`_alone`)
         # (p, version, momentum) of a full replication: a hand-over that may arrive after we took p over
@@ -108,6 +112,7 @@ class Replication:
         if p not in self.kept or self.kept[p][0] <= label:
             self.kept[p] = (label, fp32_copy(momentum))
             self.restored.pop(p, None)
+            self.handed.pop(p, None)
             self.evidence.pop(p, None)
 
     def restore(self, p: int, label: Version, momentum: Encoded) -> None:
@@ -116,6 +121,7 @@ class Replication:
         if p not in self.kept or self.kept[p][0] < label:
             self.kept[p] = (label, momentum)
             self.restored[p] = label
+            self.handed.pop(p, None)
             self.evidence.pop(p, None)
 
     # -- owner side -----------------------------------------------------------------------------------------
@@ -188,9 +194,12 @@ class Replication:
         return set()
 
     async def send_full(self, p: int, peer: str, term: int, momentum: torch.Tensor, cert: bytes,
-                        anchor: torch.Tensor) -> bool:
+                        anchor: torch.Tensor, retry_until: float | None = None) -> bool:
         """Full state to `peer`: `cert` (the certificate of the version), its fp32 anchor and fp32 momentum,
-        a consistent snapshot the caller took."""
+        a consistent snapshot the caller took. True once `peer` answered 200 (the acknowledgement): it checked
+        the certificate and the anchor's digest, installed the version if it held an older one, and keeps the
+        momentum, or took it as the fragment's owner (a hand-over). With `retry_until` (a `time.monotonic()`
+        time), a failure that may pass (no answer, 429, 5xx) is tried again until then; else one attempt."""
         url = self.members.url(peer)
         if url is None or not cert:
             return False
@@ -199,14 +208,26 @@ class Replication:
         mdigest = await asyncio.to_thread(momentum_digest, momentum.numpy())
         fields = ReplicateFields(p, term, label, True, len(cert), None, (), mdigest).to_fields()
         payload = await asyncio.to_thread(join_bytes, cert, anchor.numpy(), momentum.numpy())
-        try:
-            env = await asyncio.to_thread(seal, self.identity, REPLICATE, self.spec.run_id, fields, payload)
-            await self.client.send_envelope(url, ROUTE_REPLICATE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
-            self.stats["full_replications"] += 1
-            return True
-        except (TransportError, ProtocolError) as e:
-            log.info("full replication of fragment %d to %s failed: %s", p, peer[:8], e)
-            return False
+        delay = FULL_RETRY_S
+        while True:
+            try:  # (sealed at each attempt: a fresh nonce)
+                env = await asyncio.to_thread(seal, self.identity, REPLICATE, self.spec.run_id, fields, payload)
+                await self.client.send_envelope(url, ROUTE_REPLICATE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
+                self.stats["full_replications"] += 1
+                return True
+            except (TransportError, ProtocolError) as e:
+                # (a slow or busy peer may answer next time; a refused connection is a peer that is gone)
+                passing = isinstance(e, TransportError) and not isinstance(e, PeerUnreachable) and (
+                    not isinstance(e, RemoteError) or e.status == 429 or e.status >= 500)
+                if retry_until is None or not passing or time.monotonic() + delay >= retry_until:
+                    log.info("full replication of fragment %d to %s failed: %s", p, peer[:8], e)
+                    return False
+                self.stats["full_replication_retries"] += 1
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
+            url = self.members.url(peer)
+            if url is None:
+                return False
 
     # -- replica side ---------------------------------------------------------------------------------------
 
@@ -272,6 +293,10 @@ class Replication:
             momentum.decode(numel)  # the fp32 codec refuses non-finite values
         self.kept[f.p] = (f.label, momentum)
         self.restored.pop(f.p, None)
+        if f.full:
+            self.handed[f.p] = f.label
+        else:
+            self.handed.pop(f.p, None)
         if momentum is not None:
             self.evidence[f.p] = env.prefix()
         else:

@@ -15,6 +15,7 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -28,6 +29,7 @@ from .accuse import Accusations
 from .audit import Auditor
 from .authority import next_term
 from .buffers import BufferPool
+from .drain import OwnerDrain, ShardDrain
 from .fragments import Encoded, FragmentStore, anchor_digest
 from .membership import Membership
 from .outer import OuterOptimizer
@@ -107,6 +109,8 @@ class Shard:
         self.replication.on_audit_failed = self.accusations.accuse
         self.takeover = Takeover(store, membership, client, sync, self.replication, self.codec, self.outer,
                                  self.owners, self.stats, self._spawn)
+        self.takeover.stepping = self._stepping.__contains__
+        self.draining = ShardDrain(self)  # this peer's leaving on purpose (`drain`)
         sync.on_local_delta = self.accept_delta
         membership.on_change.append(self.reassign)
 
@@ -135,6 +139,8 @@ class Shard:
         self._poke()
 
     async def _on_delta(self, env: Envelope, request: web.Request) -> bytes:
+        if self.draining.active and await self.draining.forward(env):  # (handed over: to its new owner)
+            return b"ok"
         self.accept_delta(env)
         return b"ok"
 
@@ -218,6 +224,12 @@ class Shard:
         new_owner = roles[0] if roles else None
         self.stats["deltas_dropped_on_handoff"] += len(owner.pending)
         log.info("no longer owner of fragment %d (new owner %s)", p, (new_owner or "none")[:8])
+        if self.draining.active:  # leaving: the hand-over is awaited, and the momentum kept for the checkpoint
+            anchor, label, cert = self.store.snapshot(p)
+            if label != GENESIS and label == owner.label and owner.momentum is not None:
+                self.replication.keep(p, label, owner.momentum)
+            self.draining.hand_over(p, new_owner, owner, label, anchor, cert)
+            return
         if new_owner is None or owner.momentum is None:
             return
         # A committed snapshot, taken now: the anchor and the momentum of one version. A step still running
@@ -227,6 +239,13 @@ class Shard:
             if self.members.peer_id in roles:  # still a replica of p: keep what a replica would
                 self.replication.keep(p, label, owner.momentum)
             self._spawn(self.replication.send_full(p, new_owner, owner.term, owner.momentum, cert, anchor))
+
+    async def drain(self, deadline: float, rank_out: Callable[[], None]) -> OwnerDrain:
+        """Leave on purpose by `deadline` (time.monotonic()): the owned fragments' pending rounds published,
+        then `rank_out()` (this peer out of `roles`: every fragment is released at once) and each one handed
+        to its next owner and acknowledged (coordinator/drain.py). Deltas that reach us afterwards are
+        forwarded to the new owners for as long as this shard lives."""
+        return await self.draining.run(deadline, rank_out)
 
     # -- the outer step -------------------------------------------------------------------------------------
 

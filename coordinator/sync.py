@@ -100,6 +100,10 @@ class FragmentSync:
         self.stats: collections.Counter[str] = collections.Counter()
         self.versions_accepted = 0
         self.regressions = 0
+        # what others said they hold (what an operator's staleness view shows, node/observe.py): a live
+        # member's answer to GET /v1/versions, and the newest version the DHT's frag records named for each p
+        self.reported: dict[str, list[Version]] = {}
+        self.announced: list[tuple[Version, str] | None] = [None] * self.P
         self._catching_up: dict[int, asyncio.Task] = {}
         self._encoding: collections.defaultdict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         # Set by the shard: a delta for a fragment this peer owns is handed over without the network.
@@ -358,7 +362,10 @@ class FragmentSync:
                 return m.peer_id, None
 
         best: dict[int, tuple[Version, list[str]]] = {}
-        for peer, versions in await asyncio.gather(*(ask(m) for m in members)):
+        answers = await asyncio.gather(*(ask(m) for m in members))
+        self.reported = {**{m.peer_id: self.reported[m.peer_id] for m in members if m.peer_id in self.reported},
+                         **{peer: versions for peer, versions in answers if versions is not None}}
+        for peer, versions in answers:
             for p in ps if versions is not None else ():
                 v = versions[p]
                 if not v > self.store.label(p):
@@ -383,7 +390,8 @@ class FragmentSync:
                 found.append((FragRecord.decode(value).version, peer))
             except ProtocolError:
                 continue
-        return max(found, default=None)
+        self.announced[p] = max(found, default=None)
+        return self.announced[p]
 
     async def newest_versions(self) -> list[tuple[Version, str] | None]:
         """`newest_version` of every fragment."""

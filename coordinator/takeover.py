@@ -60,6 +60,7 @@ class Takeover:
         self.replication, self.codec, self.outer, self.owners, self.stats = replication, codec, outer, owners, stats
         self.spawn = spawn
         self.momentum_source: dict[int, str] = {}  # p -> where the momentum of an owned fragment came from
+        self.stepping: Callable[[int], bool] = lambda p: False  # an outer step of p is running (the shard's)
         replication.on_handover = self._handed_over
         replication.served_by_owner = self.served
 
@@ -75,8 +76,9 @@ class Takeover:
         kept = self.replication.take(p)
         momentum, source = None, "fresh"
         restored = self.replication.restored.pop(p, None)
+        handed = self.replication.handed.pop(p, None)
         if kept is not None and kept[0] == label:
-            source = "checkpoint" if restored == label else "replica"
+            source = "checkpoint" if restored == label else "handed over" if handed == label else "replica"
             momentum, source = (kept[1].decode(numel), source) if kept[1] else (None, "fresh")
         elif kept is not None and self.outer.momentum != 0:  # the replication of the newest version failed
             momentum = self.rebuild(p, kept[0], kept[1].decode(numel) if kept[1] else None)
@@ -114,12 +116,12 @@ class Takeover:
                 since = self.store.label(p)
                 reached = await self.sync.reach(p, holders, target)
                 self.stats["takeover_reached_newest" if reached else "takeover_newest_unreachable"] += 1
-                if self.owners.get(p) is not owner or self.store.label(p) == since:
-                    continue
+                if self.owners.get(p) is not owner or self.store.label(p) in (since, owner.label):
+                    continue  # (nothing reached, or a hand-over brought the owner state of what was: `_handed_over`)
                 # the momentum of the version reached: rebuilt from ours and the kept updates since, if we can
                 momentum = None
-                if owner.momentum is not None and owner.label == since and self.outer.momentum != 0:
-                    momentum = self.rebuild(p, since, owner.momentum)
+                if owner.momentum is not None and owner.label is not None and self.outer.momentum != 0:
+                    momentum = self.rebuild(p, owner.label, owner.momentum)
                 owner.momentum, owner.label = momentum, self.store.label(p)
                 self.momentum_source[p] = "rebuilt" if momentum is not None else "fresh"
                 log.info("fragment %d: taken over at %s, reached %s held by %s", p, since, self.store.label(p),
@@ -200,11 +202,23 @@ class Takeover:
         raise Malformed(f"momentum meta names codec {name!r}; this run's momentum is {self.codec.name!r} or fp32")
 
     def _handed_over(self, p: int, label: Version, momentum: Encoded) -> None:
-        """A hand-over that arrived after we took the fragment over (the old owner saw the new member set later
-        than we did): the momentum still belongs to our version if the labels agree."""
+        """A hand-over (the old owner's full state, already installed in the store if it was newer) that
+        arrived after we took the fragment over: the old owner saw the new member set later than we did, or
+        published it only once it had drained (node/swarm.py). If it is of the version we hold and our owner
+        has not stepped past it, its fp32 momentum replaces whatever we started with (the replica's copy,
+        decoded from the run's codec; a rebuilt or a fresh one; none while a pull runs), and our owner moves to
+        that version if it was behind, so both orders of takeover and hand-over end at the same state. Not
+        while an outer step of p runs: that step builds on the momentum it read, and commits or abandons."""
         owner = self.owners.get(p)
-        if owner is not None and label == self.store.label(p) \
-                and owner.adopt_momentum(momentum.decode(self.store.numel(p)), label):
-            self.momentum_source[p] = "handed over"
-            self.stats["momentum_adopted_after_takeover"] += 1
+        if owner is None or label != self.store.label(p) or self.stepping(p):
+            return
+        if owner.label is not None and owner.label > label:
+            return
+        if owner.momentum is None:
+            if not owner.adopt_momentum(momentum.decode(self.store.numel(p)), label):
+                return
+        else:
+            owner.momentum, owner.label = momentum.decode(self.store.numel(p)), label
+        self.momentum_source[p] = "handed over"
+        self.stats["momentum_adopted_after_takeover"] += 1
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import CheckpointCorrupt, load_checkpoint
+from .config import child_env
 from .goodput import Incarnation, merged_tokens
 from .throttle import ThrottleRelay
 
@@ -164,7 +165,8 @@ class Fleet:
             cmd += ["--announce", slot.fixed_url]
         if slot.index in self.slowdown:
             cmd += ["--slowdown", str(self.slowdown[slot.index])]
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(child_env(os.environ), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1")
         with open(self.workdir / f"learner-{slot.index}.log", "ab") as err:
             slot.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, text=True,
                                          bufsize=1, env=env, start_new_session=True)

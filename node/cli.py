@@ -5,6 +5,7 @@ Errors a user can cause print one line saying what happened and what to do, neve
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -15,6 +16,7 @@ import click
 from diloco.protocol.identity import Identity, KeyFileError
 
 from . import __version__
+from .config import ConfigCommand
 
 DEFAULT_KEY = Path("~/.config/diloco-node/key.pem")
 
@@ -111,6 +113,8 @@ def dht(listen: str, announce: str | None, peers: tuple[str, ...], key: Path | N
         try:
             node = await DHTNode.start(ident, host=host, port=port, announce=announce, region=region)
         except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"port {host}:{port} is in use (another node? pick --listen HOST:OTHERPORT)") from None
             raise UserError(f"cannot listen on {listen}: {e.strerror or e}") from None
         try:
             if announce is None and host in ("0.0.0.0", "::"):
@@ -156,7 +160,9 @@ def _load_run(path: Path):
     try:
         return Genesis.load(path)
     except ProtocolError as e:
-        raise UserError(f"run spec {path}: {e.reason}") from None
+        raise UserError(f"run spec {path}: {e.reason.rstrip('.')}; pass the file `diloco-node init-run` wrote") from None
+    except OSError as e:
+        raise UserError(f"run spec {path}: {e.strerror or e}") from None
 
 
 @main.command("init-run")
@@ -224,7 +230,7 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
     click.echo(f"spec: {out}  (peers join with: diloco-node join --run {out} --peers HOST:PORT)")
 
 
-@main.command()
+@main.command(cls=ConfigCommand)
 @click.option("--run", "--spec", "run_path", required=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The signed run spec written by `diloco-node init-run`. Under torchrun write --spec (torchrun "
@@ -253,9 +259,22 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
 @click.option("--progress-every", default=10, show_default=True)
 @click.option("--eval-every", default=0, show_default=True, help="Evaluate on held-out data every N steps (0: at the end).")
 @click.option("--json", "as_json", is_flag=True, help="Progress as JSON lines.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Also write every event as a JSON line to OUT/events.jsonl (for `diloco-node report OUT`).")
 @click.option("--fast-membership", is_flag=True, hidden=True, help="Short member TTLs (localhost fleets).")
 @click.option("--wait-for-peers", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="Keep trying --peers for this many seconds (a fleet whose peers start at the same time).")
+@click.option("--drain-s", default=25.0, show_default=True, type=click.FloatRange(min=0),
+              help="On SIGTERM, SIGINT or a --preemption-notice, leave within this many seconds: send the "
+              "deltas due, publish the rounds this peer owns and hand each fragment (with its momentum) to its "
+              "next owner, mark this member `left`, write a final checkpoint, exit 0. A second signal exits at "
+              "once. Keep it below the time the platform waits before SIGKILL (systemd TimeoutStopSec, "
+              "Kubernetes terminationGracePeriodSeconds).")
+@click.option("--preemption-notice", type=click.Choice(["aws", "gcp"]), default=None,
+              help="Also poll this cloud's instance metadata every 5 s for a spot interruption (aws, IMDSv2) or "
+              "preemption (gcp) notice, and drain on it as on SIGTERM.")
+@click.option("--metadata-url", default=None, hidden=True, envvar="DILOCO_METADATA_URL",
+              help="Base URL of the instance metadata endpoint (tests: a fake one on loopback).")
 @click.option("--slowdown", default=1.0, hidden=True, help="Straggler emulation factor.")
 @click.option("--pace", "pace_s", default=0.0, hidden=True, help="Seconds every inner step lasts at least "
               "(an emulated fixed-speed chip; the chaos harness uses it).")
@@ -266,11 +285,14 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
               "runs stay on plain HTTP.")
 def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ...], key: Path | None,
          data: str | None, device: str, precision: str, fsdp: bool, checkpoint_dir: Path | None,
-         checkpoint_every: int, client_mode: bool, region: str, steps: int, progress_every: int, eval_every: int, as_json: bool, fast_membership: bool,
-         wait_for_peers: float, slowdown: float, pace_s: float, standalone: bool, cert_path: Path | None) -> None:
+         checkpoint_every: int, client_mode: bool, region: str, steps: int, progress_every: int, eval_every: int, as_json: bool, out: Path | None, fast_membership: bool,
+         wait_for_peers: float, slowdown: float, pace_s: float, standalone: bool, cert_path: Path | None,
+         drain_s: float, preemption_notice: str | None, metadata_url: str | None) -> None:
     """Join a run as a learner (and syncer shard) and train the run's task."""
     from .learner import SyncTimeout
+    from .preempt import DrainIncomplete
     from .swarm import JoinError
+    from .tasks import CorpusError
     from .train import TrainOptions, train
 
     genesis = _load_run(run_path)
@@ -286,17 +308,37 @@ def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ..
     opts = TrainOptions(steps=steps, data=data, device=device, progress_every=progress_every,
                         eval_every=eval_every, json=as_json, checkpoint_dir=checkpoint_dir,
                         checkpoint_every=checkpoint_every if checkpoint_dir else 0, slowdown=slowdown,
-                        pace_s=pace_s, standalone=standalone, fsdp=fsdp,
+                        pace_s=pace_s, standalone=standalone, fsdp=fsdp, out=_out_dir(out),
+                        drain_s=drain_s, preemption_notice=preemption_notice, metadata_url=metadata_url,
                         precision=("bf16" if device == "cuda" else "fp32") if precision == "auto" else precision)
     # under torchrun only rank 0 is the swarm member: the others never sign anything, and must not race it
     # to create the key file
     identity = load_identity(key) if os.environ.get("RANK", "0") == "0" else Identity.generate()
     if cert_path is not None:
         cfg.certificate = _load_cert(cert_path, genesis.spec, identity, key)
+    from .live import join_view
+
     try:
-        train(genesis, identity, cfg, opts)
-    except (JoinError, SyncTimeout) as e:
+        with join_view(opts, _log_format()):  # (a terminal: a live view; else the lines emit prints)
+            train(genesis, identity, cfg, opts)
+    except (JoinError, SyncTimeout, DrainIncomplete) as e:
         raise UserError(str(e)) from None
+    except CorpusError as e:
+        raise UserError(f"--data {data}: {e}" if data else f"the run's task {genesis.spec.task}: {e}") from None
+
+
+def _log_format() -> str:
+    """The group's --log-format: "json" keeps stdout free of any live view."""
+    return click.get_current_context().find_root().params.get("log_format", "text")
+
+
+def _out_dir(out: Path | None) -> Path | None:
+    if out is not None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--out {out}: {e.strerror or e}") from None
+    return out
 
 
 def _load_cert(path: Path, spec, identity: Identity, key: Path | None):
@@ -507,7 +549,7 @@ def status(url: str, as_json: bool, run_path: Path | None, key: Path | None) -> 
 @click.option("--fragments", default=4, show_default=True, type=click.IntRange(min=1),
               help="P: fragments the model is cut into.")
 @click.option("--codec", default="int8", show_default=True, help="Codec of deltas and updates (int8, int4, bf16, ...).")
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--workdir", "--out", "workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the run spec, keys and the learners' logs go. Default: a fresh temporary directory "
               "(printed at the start).")
 @click.option("--progress-every", default=10, show_default=True, type=click.IntRange(min=1),
@@ -540,7 +582,7 @@ def demo(peers: int, steps: int, task: str, inner_steps: int, fragments: int, co
         raise UserError(f"unknown codec {codec!r}; choose one of {', '.join(available_codecs())}")
     opts = DemoOptions(peers=peers, steps=steps, task=task, inner_steps=inner_steps, fragments=fragments,
                        codec=codec, workdir=workdir, json=as_json, progress_every=progress_every,
-                       timeout_s=timeout_s)
+                       timeout_s=timeout_s, live=False if _log_format() == "json" else None)
     try:
         runner, summary, interrupted = run_demo(opts)
     except DemoError as e:
@@ -558,29 +600,56 @@ def demo(peers: int, steps: int, task: str, inner_steps: int, fragments: int, co
         sys.exit(130)
 
 
+@main.command()
+@click.argument("run_dir", metavar="DIR", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the PNG files go. Default: DIR/report.")
+def report(run_dir: Path, out: Path | None) -> None:
+    """Draw PNG plots of a run directory: loss and eval loss against wall time and tokens, goodput, bytes per
+    inner step, and a histogram of the learners' staleness.
+
+    DIR is what `join --out`, `demo --out` or `chaos --out` wrote (the learners' JSON event lines); how each
+    figure is computed: diloco.node.report. Prints every file written, and every plot skipped for lack of data.
+    Needs matplotlib (`pip install 'diloco-node[plots]'`).
+    """
+    from .report import ReportError, describe, make_report
+
+    try:
+        result = make_report(run_dir, out)
+    except ReportError as e:
+        raise UserError(str(e)) from None
+    for line in describe(result):
+        click.echo(line)
+
+
 @main.command("simulate")
 @click.option("--chips", default="150000,300000,600000,1200000,2400000", show_default=True,
-              help="N: cluster sizes in chips, comma-separated (150k and 2.4M are accepted).")
+              help="N: cluster sizes in chips, comma-separated (150k and 1.2M are accepted).")
 @click.option("--learners", default="2,4,8,16", show_default=True,
               help="M: learners the chips are split into, comma-separated.")
 @click.option("--mtbi-years", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Per-chip mean time between interruptions in years (inf: no failures). Default: 1 "
-              "(the reason is in diloco.node.simulate).")
+              help="Per-chip mean time between interruptions in years (inf: no failures). Default: 1, the "
+              "paper's scenario.")
+@click.option("--profile", "profile_name", type=click.Choice(["paper", "localhost"]), default="paper",
+              show_default=True, help="paper: learners are elastic jobs of TPU slices, Decoupled DiLoCo's setup "
+              "(diloco.node.simulate_elastic); localhost: a failure stops its whole learner, as in `chaos` "
+              "(diloco.node.simulate_restart). Every value and its source: docs/chaos.md.")
 @click.option("--param", "overrides", multiple=True, metavar="NAME=VALUE",
-              help="Override a cost of the model, e.g. --param restart_s=300 (repeatable; names and the reason "
-              "for each default: diloco.node.simulate.SimParams).")
+              help="Override a cost of the profile, e.g. --param return_s=300 (repeatable; the names are the "
+              "fields of the profile's ElasticParams or SimParams).")
 @click.option("--des", is_flag=True, help="Run the seeded discrete-event simulation instead of the exact "
               "expectation (slower; a cross-check).")
 @click.option("--seed", default=0, show_default=True, help="Seed of --des.")
 @click.option("--json", "as_json", is_flag=True,
               help="Also print a JSON last line: {\"rows\": [{mode, chips, learners, goodput}], \"params\": {...}}.")
-def simulate_cmd(chips: str, learners: str, mtbi_years: float | None, overrides: tuple[str, ...], des: bool,
-                 seed: int, as_json: bool) -> None:
+def simulate_cmd(chips: str, learners: str, mtbi_years: float | None, profile_name: str, overrides: tuple[str, ...],
+                 des: bool, seed: int, as_json: bool) -> None:
     """Predict fleet goodput of dp, elastic dp and decoupled learners as chips fail.
 
-    N chips are split into M learners; every chip is interrupted at random (Poisson) with the given mean.
-    dp: any failure stops everyone (detect, replace, restart, reload the last checkpoint); dp_elastic: the
-    group shrinks and grows back; decoupled: only the failed learner stops and loses its unmerged work.
+    N chips (M learners of N/M for decoupled), every chip interrupted at random with the given mean. Profile
+    paper: dp waits for the failed chips to return, then regrows; dp_elastic drops the failed slice, goes on
+    with the rest and takes it back later; decoupled: each learner is such an elastic job and only its own
+    failures cost it. Profile localhost: a failure stops its learner (dp: everyone, from the last checkpoint).
     Goodput is the share of allocated chip-time spent on steps that survive.
     """
     import json as _json
@@ -588,17 +657,17 @@ def simulate_cmd(chips: str, learners: str, mtbi_years: float | None, overrides:
     from .simulate import (
         DEFAULT_MTBI_YEARS,
         YEAR_S,
-        SimParams,
         format_table,
         params_json,
         parse_counts,
+        profile,
         table,
         with_overrides,
     )
 
     try:
         chip_counts, learner_counts = parse_counts(chips), parse_counts(learners)
-        params = with_overrides(SimParams(), overrides)
+        params = with_overrides(profile(profile_name), overrides)
     except ValueError as e:
         raise UserError(str(e)) from None
     if min(chip_counts) < max(learner_counts):
@@ -647,13 +716,15 @@ def chaos(peers: int, minutes: float, mtbf_s: float, downtime_s: float, mode: st
 
     Runs the same fleet on the same fault schedule in each mode, then once without faults, and reports goodput
     (docs/architecture.md §10, from the learners' own counters), eval loss at equal tokens, and the invariants (version
-    regressions, unloadable checkpoints, lost accepted updates), with the fleet simulator's prediction for the
-    same schedule. Writes events.jsonl, metrics.jsonl, summary.json and PNG plots to --out.
+    regressions, unloadable checkpoints, lost accepted updates), with the fleet simulator's figures: its
+    prediction from the calibration alone (predicted_goodput) and its replay of the run's own kill schedule with
+    the costs measured in it (replayed_goodput). Writes events.jsonl, metrics.jsonl, summary.json and PNG plots
+    to --out.
     """
     import json as _json
 
     from .chaos import ChaosError
-    from .chaos_run import RESULT_KEYS, ChaosOptions, run_chaos
+    from .chaos_run import PREDICTION_KEYS, RESULT_KEYS, ChaosOptions, run_chaos
 
     slow = _slot_values("--straggler", "SLOT:FACTOR", straggler, peers, minimum=1.0)
     links = _slot_values("--throttle", "SLOT:MBIT", throttle, peers, minimum=0.01)
@@ -668,14 +739,14 @@ def chaos(peers: int, minutes: float, mtbf_s: float, downtime_s: float, mode: st
     modes = [m for m in ("decoupled", "sync") if m in result]
     click.echo("", err=as_json)
     click.echo(f"{'':24}" + "".join(f"{m:>14}" for m in modes), err=as_json)
-    for key in (*RESULT_KEYS, "predicted_goodput"):
+    for key in (*RESULT_KEYS, *PREDICTION_KEYS):
         click.echo(f"{key:24}" + "".join(f"{_fmt(result[m].get(key)):>14}" for m in modes), err=as_json)
     if "no_failure_eval_loss" in result:
         click.echo(f"no-failure eval loss at the decoupled run's merged tokens: {_fmt(result['no_failure_eval_loss'])}",
                    err=as_json)
     click.echo(f"output: {result['out']}", err=as_json)
     if as_json:
-        keep = {m: {k: result[m][k] for k in (*RESULT_KEYS, "predicted_goodput")} for m in modes}
+        keep = {m: {k: result[m][k] for k in (*RESULT_KEYS, *PREDICTION_KEYS)} for m in modes}
         if "no_failure_eval_loss" in result:
             keep["no_failure_eval_loss"] = result["no_failure_eval_loss"]
         click.echo(_json.dumps(keep))

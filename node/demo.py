@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from .live import StatusPoller, VersionAges, version_text
+
 log = logging.getLogger(__name__)
 
 SUMMARY_KEYS = ("peers", "final_loss", "eval_loss", "outer_steps", "goodput", "bytes_sent", "wall_s")
@@ -93,6 +95,8 @@ class PeerView:
     steps_per_s: float = 0.0
     versions: int = 0
     peers_seen: int = 0
+    tokens: int = 0
+    merged_steps: int = 0
     bytes: int = 0
     done: dict[str, Any] | None = None
     returncode: int | None = None
@@ -113,6 +117,11 @@ def _version_number(label: Any) -> int:
     return int(number) if number.isdigit() else 0
 
 
+def _versions_text(labels: list[str]) -> str:
+    """The fragments' versions as read by a person: "p0 v16 · term 115576, p1 …" ("-" for none)."""
+    return ", ".join(f"p{p} {version_text(label)}" for p, label in enumerate(labels)) or "-"
+
+
 def _tail_of(view: PeerView) -> list[str]:
     lines = view.last_output()
     if not lines:
@@ -128,7 +137,7 @@ class Demo:
             raise DemoError("--steps must be at least 1 (the demo ends when every learner has trained them)")
         self.opts = opts
         self.out = out or sys.stdout
-        self.workdir = Path(opts.workdir) if opts.workdir else Path(tempfile.mkdtemp(prefix="diloco-demo-"))
+        self.workdir = Path(opts.workdir).resolve() if opts.workdir else Path(tempfile.mkdtemp(prefix="diloco-demo-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.events: queue.Queue[tuple[int, str | None]] = queue.Queue()
         self.views: list[PeerView] = []
@@ -139,6 +148,8 @@ class Demo:
         self.run_label = ""
         self._last_plain = 0.0
         self.live_mode = opts.live if opts.live is not None else (self.out.isatty() and not opts.json)
+        self.poller: StatusPoller | None = None  # live mode: each learner's /v1/status, for the table
+        self.version_ages = VersionAges()
 
     # -- set-up ---------------------------------------------------------------------------------------------
 
@@ -173,13 +184,16 @@ class Demo:
         o = self.opts
         cmd = [sys.executable, "-m", "diloco.node.cli", "join", "--run", str(self.spec_path),
                "--listen", "127.0.0.1:0", "--steps", str(o.steps), "--json", "--fast-membership",
-               "--progress-every", str(o.progress_every), "--key", str(view.key_file)]
+               "--progress-every", str(o.progress_every), "--key", str(view.key_file),
+               "--out", str(self.workdir / f"learner-{view.index}")]  # its events.jsonl: `diloco-node report`
         if bootstrap:
             cmd[cmd.index("--steps"):cmd.index("--steps")] = ["--peers", bootstrap]
         return cmd
 
     def spawn(self, view: PeerView, bootstrap: str | None) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+        from .config import child_env
+
+        env = dict(child_env(os.environ), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1")
         with open(view.log_file, "ab") as err:
             # own session: a terminal's Ctrl-C reaches only the demo, which stops the learners itself
@@ -235,10 +249,13 @@ class Demo:
         if kind == "joined":
             view.url, view.peer_id, view.step = ev.get("url", ""), ev.get("peer_id", view.peer_id), ev.get("step", 0)
             view.state = "training"
+            if self.poller is not None:
+                self.poller.watch(view.index, view.url)
         elif kind == "progress":
             view.step, view.loss = ev.get("step", view.step), ev.get("loss", view.loss)
             view.steps_per_s, view.versions = ev.get("steps_per_s", 0.0), ev.get("versions", view.versions)
             view.peers_seen, view.bytes = ev.get("peers", view.peers_seen), ev.get("bytes", view.bytes)
+            view.tokens, view.merged_steps = ev.get("tokens", view.tokens), ev.get("merged_steps", view.merged_steps)
         elif kind == "done":
             view.done = ev
             view.step, view.loss = ev.get("steps", view.step), ev.get("final_loss", view.loss)
@@ -256,23 +273,9 @@ class Demo:
         return time.monotonic() - self.t0
 
     def table(self):
-        from rich.console import Group
-        from rich.table import Table
-        from rich.text import Text
+        from .live import demo_table
 
-        o = self.opts
-        t = Table(title=f"diloco-node demo: {o.peers} learners × {o.steps} steps, {self.elapsed():.0f}s")
-        for name, justify in (("learner", "left"), ("peer id", "left"), ("step", "right"), ("loss", "right"),
-                              ("steps/s", "right"), ("versions", "right"), ("peers", "right"),
-                              ("MB sent+recv", "right"), ("state", "left")):
-            t.add_column(name, justify=justify)
-        for v in self.views:
-            state = v.state
-            style = "green" if state.startswith("done") else "red" if state.startswith("failed") else None
-            t.add_row(str(v.index), v.peer_id[:10], f"{v.step}/{o.steps}",
-                      "-" if v.loss is None else f"{v.loss:.3f}", f"{v.steps_per_s:.1f}", str(v.versions),
-                      str(v.peers_seen), f"{v.bytes / 1e6:.2f}", f"[{style}]{state}[/]" if style else state)
-        return Group(t, Text(f"logs in {self.workdir}   (Ctrl-C stops the learners)", style="dim"))
+        return demo_table(self, self.poller)
 
     def plain(self, force: bool = False) -> None:
         now = self.elapsed()
@@ -300,11 +303,12 @@ class Demo:
             self.out.flush()
             if self.live_mode:
                 from rich.console import Console
-                from rich.live import Live
 
-                console = Console(file=self.out)
-                with Live(self.table(), console=console, refresh_per_second=4, transient=False) as live:
-                    self._follow(lambda: live.update(self.table()))
+                from .live import live
+
+                self.poller = StatusPoller().start()
+                with live(self.table, Console(file=self.out)) as lv:
+                    self._follow(lambda: lv.refresh())
             else:
                 self._follow(lambda: self.plain())
                 self.plain(force=True)
@@ -313,6 +317,8 @@ class Demo:
             self.stop(graceful=True)
             raise
         finally:
+            if self.poller is not None:
+                self.poller.stop()
             self.stop(graceful=False)
             restore()
 
@@ -424,7 +430,7 @@ class Demo:
             b = d.get("bytes") or {}
             lines.append(f"  learner {v.index} {v.peer_id[:10]}: {d.get('steps', v.step)} steps, "
                          f"final loss {f(d.get('final_loss'))}, eval loss {f(d.get('eval_loss'))}, "
-                         f"outer steps {d.get('outer_steps', '-')}, versions {' '.join(d.get('versions', [])) or '-'}, "
+                         f"outer steps {d.get('outer_steps', '-')}, versions {_versions_text(d.get('versions', []))}, "
                          f"sent {b.get('bytes_out', 0) / 1e6:.2f} MB, received {b.get('bytes_in', 0) / 1e6:.2f} MB"
                          + ("" if v.done else f" [{v.state}]"))
         best = f" (best possible, the source's entropy rate: {self.best_loss:.3f}; uniform guess: " \

@@ -18,6 +18,7 @@ delta is merged, so all learners checkpoint the same global versions (the state 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -39,6 +40,7 @@ from diloco.protocol.identity import Identity
 from . import saved_momenta
 from .checkpoint import capture, load_latest, restore, save_checkpoint
 from .journal import Journal, open_journal
+from .preempt import DrainReport
 from .swarm import JoinError, Swarm, SwarmConfig, SwarmFailed
 from .theta import OnWrite, Theta
 
@@ -180,6 +182,7 @@ class Learner:
         self.checkpoint_error: str | None = None  # why the last checkpoint write failed (a full disk), or None
         self.checkpoints_failed = 0
         self.last_checkpoint_step: int | None = None
+        self.checkpoint_write_s: float | None = None  # how long the last checkpoint took to write (a drain's reserve)
         self.theta: Theta | None = None  # moves θ with new versions, copies due fragments out (node/theta.py)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
@@ -226,6 +229,7 @@ class Learner:
         self.swarm.extra_status.append(self._storage_status)
         self.swarm.store.merged_steps = int(self._restored.get("merged_steps", 0))
         self.swarm.store.merged_tokens = int(self._restored.get("merged_tokens", 0))
+        self.swarm.progress.step, self.swarm.progress.tokens = self.t, self.tokens  # (a resume: not 0 until its first step)
         self.theta = Theta(self.swarm.store, self.plan, self.params, self.swarm.pool, self._submit,
                            self._overwritten, background=not self.spec.synchronous, on_write=self.on_theta_write)
         if unset:
@@ -268,13 +272,48 @@ class Learner:
             time.sleep(0.05)
         time.sleep(2 * self.config.member_poll_s)  # and let every other member's view of the swarm settle too
 
-    def close(self) -> None:
-        if self.checkpoint_dir is not None and self.swarm is not None:
+    def close(self, checkpoint: bool = True) -> None:
+        """Stop: a last checkpoint (unless `checkpoint` is False: a drain wrote it), then the swarm."""
+        if checkpoint and self.checkpoint_dir is not None and self.swarm is not None:
             self.save_checkpoint(wait=True)
         if self.swarm is not None:
             self.swarm.stop()
         if self.theta is not None:
             self.theta.close()
+
+    def drain(self, deadline: float, reason: str = "") -> DrainReport:
+        """Leave the swarm cleanly by `deadline` (time.monotonic()), between two steps, never to step again:
+        every fragment's unsent steps go out as deltas now, the swarm hands over what it owns and marks its
+        record `left` (`Swarm.drain`), and a final checkpoint is written (docs/preemption.md). Then call
+        `close(checkpoint=False)`. What the deadline cut short is in the report's `skipped`."""
+        t0 = time.monotonic()
+        with self._counts:
+            unsent = [p for p in range(self.spec.fragments) if self.c_steps[p] > 0]
+        for p in unsent:
+            self.theta.due(p)
+        self.theta.send_due()
+        total = max(0.0, deadline - t0)
+        write_s = self.checkpoint_write_s if self.checkpoint_write_s is not None else 1.0
+        reserve = min(0.25 * total, 1.0 + 2 * write_s if self.checkpoint_dir is not None else 0.5)
+        report = self.swarm.drain(deadline - reserve)
+        report.reason, report.deltas_flushed = reason, len(unsent)
+        if self.checkpoint_dir is not None:
+            report.checkpoint = False
+            # (a synchronous run's checkpoint waits for every sent delta's merge: no longer than the deadline)
+            waits, self.sync_timeout_s = self.sync_timeout_s, max(0.1, deadline - time.monotonic())
+            try:
+                if time.monotonic() < deadline:
+                    self.save_checkpoint(wait=True)
+                    report.checkpoint = self.checkpoint_error is None and self.last_checkpoint_step == self.t
+            except SyncTimeout:
+                pass
+            finally:
+                self.sync_timeout_s = waits
+            if not report.checkpoint:
+                report.skipped.append(f"the final checkpoint ({self.checkpoint_error or 'no time left'})")
+            report.checkpoint_step = self.last_checkpoint_step
+        report.seconds = round(time.monotonic() - t0, 3)
+        return report
 
     def __enter__(self) -> Learner:
         return self.start()
@@ -405,6 +444,7 @@ class Learner:
                              **({JOURNAL_SEGMENT: segment} if segment is not None else {})})
 
         def write() -> None:
+            started = time.monotonic()
             try:
                 # the momenta of the versions this peer holds now (their labels say which): read on the loop
                 saved_momenta.add_to(ckpt, self.swarm.held_momenta())
@@ -416,6 +456,7 @@ class Learner:
                           self.checkpoint_error)
                 return
             self.checkpoint_error, self.last_checkpoint_step = None, ckpt.step
+            self.checkpoint_write_s = time.monotonic() - started
             if segment is not None:  # on disk now: what only the checkpoint before it needed can go
                 self._journal.drop_before(segment if self._journal_floor is None else self._journal_floor)
                 self._journal_floor = segment
@@ -440,6 +481,25 @@ class Learner:
                 for k, v in self.model.state_dict(keep_vars=True).items()}
 
     # -- views ----------------------------------------------------------------------------------------------
+
+    def global_model(self) -> torch.nn.Module:
+        """A copy of the model with every fragment at the version this learner holds (its anchors: the newest
+        published version of each fragment it has), without the local steps not merged yet: the model to ship
+        or evaluate. The live model is not touched."""
+        if self.swarm is None:
+            raise RuntimeError("call Learner.start() before global_model()")
+        if self._stand_ins:
+            raise RuntimeError("global_model() copies the model's own parameters; this learner's are shards "
+                               "(FSDP2): read the anchors from learner.swarm.store instead")
+        store = self.swarm.store
+        if store.unset:
+            raise RuntimeError(f"fragments {sorted(store.unset)} have no version here yet (still joining)")
+        model = copy.deepcopy(self.model)
+        params = dict(model.named_parameters())
+        for p in range(self.spec.fragments):
+            anchor, _label, _cert = store.snapshot(p)
+            self.plan.unflatten_into(p, anchor, params)
+        return model
 
     @property
     def labels(self) -> list[Version]:

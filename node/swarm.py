@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
+import errno
 import functools
 import logging
 import threading
@@ -31,7 +33,7 @@ from diloco.coordinator.runspec import RunSpec
 from diloco.coordinator.shard import Shard
 from diloco.coordinator.sync import FragmentSync
 from diloco.coordinator.version import Version
-from diloco.coordinator.wire import ROUTE_STATUS, MemberRecord
+from diloco.coordinator.wire import ROUTE_METRICS, ROUTE_STATUS, MemberRecord
 from diloco.protocol.codecs import get_codec
 from diloco.protocol.dht.node import BootstrapFailed, DHTNode
 from diloco.protocol.envelope import EnvelopeVerifier
@@ -39,11 +41,12 @@ from diloco.protocol.errors import ProtocolError
 from diloco.protocol.identity import Identity
 from diloco.protocol.reads import READ, ReadSigner
 from diloco.protocol.tls import server_context
-from diloco.protocol.transport import PeerClient, PeerServer, TransportError
+from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
-from . import reach
+from . import dashboard, metrics, observe, reach
 from .heap import return_large_buffers_to_os, trim_heap
 from .journal import Journal
+from .preempt import DrainReport
 
 log = logging.getLogger(__name__)
 DHT_WATCH_EVERY = 6  # every how many watches read the DHT's frag records (the others ask the members)
@@ -53,6 +56,7 @@ KNOWN_URLS_KEPT = 32  # member URLs remembered (most recently seen first): saved
 TRIM_EVERY_S = 20.0
 POOL_KEEP = 4  # idle fragment-sized work buffers kept for reuse (see coordinator.buffers)
 WITHDRAW_S = 2.0  # a stopping peer marks its member record `left` within this long, or leaves it to expire
+MERGE_WAIT_SHARE = 0.5  # of a drain's time, at most spent waiting for owners to merge this learner's deltas
 
 
 class JoinError(Exception):
@@ -103,6 +107,7 @@ class Progress:
     step_time_s: float = 0.0
     tokens_per_s: float = 0.0
     synced: bool = False
+    eval_loss: float | None = None  # the last held-out evaluation loss, set by whoever evaluates (node/train.py)
 
 
 class Swarm:
@@ -122,6 +127,8 @@ class Swarm:
         for p, (label, cert) in enumerate(zip(labels or [], certs or [], strict=False)):
             self.store.held[p].label, self.store.held[p].cert = label, cert
         self.progress = Progress()
+        self.observer = observe.Observer(len(plan.fragments), spec.inner_steps, spec.max_staleness,
+                                         config.member_ttl_s)  # history and alerts (node/observe.py)
         self.after_sync: Callable[[], None] | None = None  # run once synced, before other peers count on us;
         # raising a JoinError there ends the join with that error
         self.codec = get_codec(spec.codec)
@@ -145,6 +152,9 @@ class Swarm:
         self.sync: FragmentSync | None = None
         self.shard: Shard | None = None
         self._seen_urls: dict[str, float] = {}  # URL of a member that accepts connections -> when last seen
+        self._sends: set[asyncio.Task] = set()  # delta sends in flight (a drain waits for them)
+        self._draining = False  # ranked out of every fragment's roles: our record says not `synced` (`drain`)
+        self._left = False  # our record says `left` from now on
 
     # -- training-thread API --------------------------------------------------------------------------------
 
@@ -164,7 +174,12 @@ class Swarm:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        loop.call_soon_threadsafe(self._spawn, self.sync.send_delta(p, live_fragment, base, steps, tokens))
+        loop.call_soon_threadsafe(self._spawn_send, self.sync.send_delta(p, live_fragment, base, steps, tokens))
+
+    def _spawn_send(self, coro) -> None:
+        task = self._spawn(coro)
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
 
     def offer_ownership(self) -> None:
         """The training thread has copied the synced fragments into its model: from now on this peer may own
@@ -176,7 +191,7 @@ class Swarm:
                 loop.call_soon_threadsafe(self._become_candidate)
 
     def _become_candidate(self) -> None:
-        if self.progress.synced or self._stopping is None or self._stopping.is_set():
+        if self.progress.synced or self._draining or self._stopping is None or self._stopping.is_set():
             return
         self.progress.synced = True
         self._spawn(self.members.publish())  # say so at once, without waiting for the refresh
@@ -188,6 +203,71 @@ class Swarm:
                 self._loop.call_soon_threadsafe(self._stopping.set)
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def drain(self, deadline: float) -> DrainReport:
+        """Leave the swarm on purpose by `deadline` (time.monotonic()), the training thread having stopped
+        stepping and handed its last deltas over (`Learner.drain`); the loop runs on afterwards, serving,
+        until `stop` (docs/preemption.md). Call from any thread but the loop's."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or not self.healthy:
+            return DrainReport(skipped=["everything: the swarm loop is not running"])
+        future = asyncio.run_coroutine_threadsafe(self._drain(deadline), loop)
+        try:
+            return future.result(max(0.0, deadline - time.monotonic()) + 2.0)
+        except (TimeoutError, concurrent.futures.CancelledError):
+            future.cancel()
+            return DrainReport(skipped=["the rest: the swarm loop did not finish the drain in time"])
+        except Exception as e:  # (the learner still writes its checkpoint and exits)
+            log.error("the drain failed: %s: %s", type(e).__name__, e, exc_info=e)
+            return DrainReport(skipped=[f"the rest: the drain failed ({type(e).__name__}: {e})"])
+
+    async def _drain(self, deadline: float) -> DrainReport:
+        """(1) the delta sends in flight finished; (2) for a while, the owners' merges of this learner's
+        deltas received; (3) the shard's rounds closed, this peer ranked out of `roles` and every fragment it
+        owned handed over and acknowledged (`Shard.drain`); (4) our record marked `left`."""
+        report, t0 = DrainReport(), time.monotonic()
+        sends = [t for t in self._sends if not t.done()]
+        report.sends_waited = len(sends)
+        if sends:
+            _, late = await asyncio.wait(sends, timeout=max(0.0, deadline - t0))
+            if late:
+                report.skipped.append(f"{len(late)} delta sends")
+        merge_until = min(deadline, t0 + MERGE_WAIT_SHARE * (deadline - t0))
+        while self._unmerged(elsewhere=True) and time.monotonic() < merge_until:
+            await asyncio.sleep(0.05)
+        if self._unmerged(elsewhere=True):
+            log.info("drain: after %.1f s, %d deltas sent to other owners are not merged yet", time.monotonic() - t0,
+                     self._unmerged(elsewhere=True))
+        if self.shard is not None:
+            owned = await self.shard.drain(deadline, self._rank_out)
+            report.final_rounds, report.dropped_deltas = owned.final_rounds, owned.dropped_deltas
+            report.handovers = [dataclasses.asdict(h) for h in owned.handovers]
+            report.skipped += owned.skipped
+        else:
+            self._rank_out()
+        report.deltas_unmerged = self._unmerged(elsewhere=False)
+        report.merged_steps = self.store.merged_steps
+        self._left = True
+        try:
+            await asyncio.wait_for(self.members.publish(), max(0.05, min(WITHDRAW_S, deadline - time.monotonic())))
+            report.left = True
+        except (TimeoutError, TransportError, ProtocolError) as e:
+            report.skipped.append(f"the `left` record ({type(e).__name__}: it expires in "
+                                  f"{self.config.member_ttl_s:g} s)")
+        return report
+
+    def _rank_out(self) -> None:
+        """Out of every fragment's roles in our own view first (our record says not `synced`): `Shard.reassign`
+        releases, and hands over, every fragment we own; the others rank us out once they read the record."""
+        self._draining = True
+        self.members.changed()
+
+    def _unmerged(self, elsewhere: bool) -> int:
+        """Our deltas that an owner took and no version we received merged yet (`elsewhere`: of fragments
+        another peer owns)."""
+        with self.store.lock:
+            outstanding = set(self.store.rebase.outstanding)
+        return len(outstanding - set(self.shard.owners if self.shard and elsewhere else ()))
 
     # -- the loop -------------------------------------------------------------------------------------------
 
@@ -231,7 +311,9 @@ class Swarm:
                 self.after_sync()
             if self.store.unset - self.store.downloading:
                 raise JoinError(f"fragments {sorted(self.store.unset)} were neither downloaded nor filled in")
+            self.observer.observe(observe.read(self))  # (before any step: goodput counts from here)
             self._ready.set()  # (`offer_ownership` follows once the model holds what was synced)
+            self._spawn(self.observer.run(functools.partial(observe.read, self)))
             for coro in (self.members.run(), self._watch(), self._trim(),
                          *([self.shard.run()] if self.shard else [])):
                 self._spawn(coro, essential=True)
@@ -280,12 +362,17 @@ class Swarm:
             for p, (label, momentum) in self._restored_momenta.items():
                 self.shard.replication.restore(p, label, momentum)
             self.server.add_route("GET", ROUTE_STATUS, self._serve_status)
+            self.server.add_route("GET", ROUTE_METRICS, metrics.handler(self))  # (node/metrics.py)
+            dashboard.register(self.server)  # GET /: the browser view of the status (node/dashboard/)
             probe = reach.ReachProbe(self.spec, self.client, self.server)
             self.members.serve(self.server)
             self.shard.verifier.is_member = probe.verifier.is_member = self.roster.admits
             try:
                 await self.server.start()
             except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise JoinError(f"port {cfg.host}:{cfg.port} is in use (another peer? pick --listen "
+                                    "HOST:OTHERPORT)") from None
                 raise JoinError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
             self.url = cfg.announce or self.server.url
             self.dht.announce(self.url)
@@ -302,7 +389,9 @@ class Swarm:
             except BootstrapFailed as e:
                 if time.perf_counter() - t0 > cfg.bootstrap_wait_s:
                     if cfg.peers:
-                        raise JoinError(f"{e}; check --peers") from None
+                        waited = (f"tried for {cfg.bootstrap_wait_s:g} s" if cfg.bootstrap_wait_s else
+                                  "or let them start: --wait-for-peers SECONDS")
+                        raise JoinError(f"{e}; check --peers ({waited})") from None
                     log.info("join: none of the %d members seen before the restart answered", len(urls))
                     break
                 await asyncio.sleep(0.25)
@@ -345,8 +434,14 @@ class Swarm:
         if self.config.client_mode is not None or self.server is None:
             return True
         for peer in self.config.peers:
-            with contextlib.suppress(TransportError):
+            try:
                 return await reach.ask(self.client, self.identity, self.spec, peer, self.url)
+            except RemoteError as e:
+                if e.status == 409:  # a peer of another run (or a clock far off): its reason says which
+                    raise JoinError(f"{peer} refused this run's messages ({e.reason}); --peers must be peers "
+                                    "of the run --run names") from None
+            except TransportError:
+                pass
         return True  # no peer answered the question: assume the announced address works
 
     async def _watch(self) -> None:
@@ -426,13 +521,14 @@ class Swarm:
             await asyncio.sleep(TRIM_EVERY_S)
             await asyncio.to_thread(trim_heap)
 
-    def _spawn(self, coro, essential: bool = False) -> None:
+    def _spawn(self, coro, essential: bool = False) -> asyncio.Task:
         """Run `coro` on the loop. An `essential` one (the member view, the watch, the shard) runs for the whole
         life of the swarm: if it ends, the swarm has failed (`error`) and the loop stops. A one-off task that
         raises is logged and counted."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(functools.partial(self._task_done, essential=essential))
+        return task
 
     def _task_done(self, task: asyncio.Task, essential: bool) -> None:
         self._tasks.discard(task)
@@ -452,12 +548,13 @@ class Swarm:
     def _member_record(self) -> MemberRecord:
         pr = self.progress
         return MemberRecord(self.url, self.config.region, self.client_mode, pr.step, pr.step_time_s,
-                            pr.tokens_per_s, pr.synced)
+                            pr.tokens_per_s, pr.synced and not self._draining, left=self._left)
 
-    def status(self) -> dict[str, Any]:
-        """The documented `/v1/status` object (docs/status.md)."""
+    def status(self, history_after: float | None = None) -> dict[str, Any]:
+        """The documented `/v1/status` object (docs/status.md); `history_after`: only the history samples
+        taken after that unix time (`GET /v1/status?history_after=T`, for a poller that has the older ones)."""
         pr = self.progress
-        members = self.members.live() if self.members else []
+        members = self.members.recorded() if self.members else []  # (suspects too: `state` says which)
         counters = {}
         if self.server:
             counters["served"] = {r: c.__dict__ for r, c in self.server.counters.served.items()}
@@ -471,7 +568,7 @@ class Swarm:
             "client_mode": self.client_mode,
             "step": pr.step,
             "tokens": pr.tokens,
-            "loss": pr.loss,
+            "loss": observe.finite(pr.loss),
             "step_time_s": pr.step_time_s,
             "tokens_per_s": pr.tokens_per_s,
             "synced": pr.synced,
@@ -493,6 +590,7 @@ class Swarm:
             "bytes_total": self.bytes_total(),
             "connections_opened": self.client.counters.connections_opened if self.client else 0,
         }
+        observe.extend_status(out, self, self.observer, history_after)
         for fn in self.extra_status:
             out.update(fn())
         return out
@@ -506,4 +604,4 @@ class Swarm:
         return total
 
     async def _serve_status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.status())
+        return web.json_response(self.status(observe.history_after(request.query.get("history_after"))))

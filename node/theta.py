@@ -154,6 +154,15 @@ class Theta:
         self._settle_all()
         return extra
 
+    def send_due(self) -> None:
+        """Every due fragment snapshotted and sent now, its waiting moves applied first, and every snapshot in
+        progress finished: a learner that stops stepping (a drain, node/learner.py) sends what it has."""
+        self._raise_error()
+        self._take()
+        self._start_due(force=True)
+        for p in list(self._snaps):
+            self._copy(p, None, True)
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

@@ -11,22 +11,29 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from diloco.coordinator.runspec import Genesis, RunSpec
 from diloco.protocol.identity import Identity
 
+from . import preempt
 from .learner import Learner, create_run
 from .swarm import SwarmConfig
-from .tasks import Task, evaluate, make_task
+from .tasks import CorpusError, Task, evaluate, make_task
+
+if TYPE_CHECKING:
+    from .live import LearnerView
+
+log = logging.getLogger(__name__)
 
 
 def task_of(spec: RunSpec, data: str | None = None) -> Task:
@@ -35,7 +42,7 @@ def task_of(spec: RunSpec, data: str | None = None) -> Task:
     if data is not None and data != spec.task:
         own = make_task(data, seed=spec.seed)  # (only its data is used)
         if own.data.vocab_size != task.data.vocab_size:
-            raise ValueError(f"--data {data} has vocabulary {own.data.vocab_size}, the run's model {task.data.vocab_size}")
+            raise CorpusError(f"--data {data} has vocabulary {own.data.vocab_size}, the run's model {task.data.vocab_size}")
         task.data = own.data
     return task
 
@@ -59,15 +66,33 @@ class TrainOptions:
     pace_s: float = 0.0  # every inner step lasts at least this long (an emulated fixed-speed chip)
     standalone: bool = False  # no swarm: the same loop alone (nominal steps/s)
     fsdp: bool = False  # under torchrun: FSDP2 shards instead of DDP replicas (node/train_ranks.py)
+    drain_s: float = 25.0  # SIGTERM, SIGINT or a metadata notice: drain within this long (node/preempt.py)
+    preemption_notice: str | None = None  # "aws" or "gcp": also poll that cloud's metadata for a notice
+    metadata_url: str | None = None  # the metadata endpoint's base URL (tests: a fake one on loopback)
     precision: str = "fp32"  # "bf16": the forward under bf16 autocast (parameters, θ and the swarm stay fp32)
+    out: Path | None = None  # `join --out DIR`: every event also as a JSON line in DIR/events.jsonl
+    view: LearnerView | None = None  # a terminal's live view (node/live.py `join_view`): it draws the progress
+
+    @property
+    def records(self) -> bool:
+        """Events for a program (JSON on stdout, or --out): they carry the version moves too."""
+        return self.json or self.out is not None
 
 
 def emit(opts: TrainOptions, event: str, **fields: Any) -> None:
+    line = json.dumps({"event": event, "t": time.time(), **fields}) if opts.records else ""
+    if opts.out is not None:  # opened per event: a learner killed at any moment leaves whole lines behind
+        with open(opts.out / "events.jsonl", "a") as f:
+            f.write(line + "\n")
     if opts.json:
-        print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
+        print(line, flush=True)
     else:
-        body = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
-        print(f"[{event}] {body}", flush=True)
+        body = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()
+                        if k != "accepted")  # (version moves: machine data, in the JSON lines only)
+        if opts.view is not None:  # (progress into the live view; any other event printed above it)
+            opts.view.feed(event, fields, f"[{event}] {body}")
+        else:
+            print(f"[{event}] {body}", flush=True)
 
 
 def process_age_s() -> float | None:
@@ -133,7 +158,7 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
     learner.start()
     startup.mark("join")  # checkpoint load, DHT bootstrap, members, fragment downloads
     store = learner.swarm.store
-    if opts.json:
+    if opts.records:
         store.record_versions()  # report every version this learner moves to (the chaos harness checks them)
     emit(opts, "joined", peer_id=identity.peer_id, url=learner.swarm.url, join_s=time.monotonic() - t0,
          step=learner.t, versions=[str(v) for v in learner.labels], merged_steps=store.merged_steps,
@@ -142,18 +167,22 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
     batches = task.batches(learner=shard, seed=spec.seed + learner.t)
     start, losses, reported = time.monotonic(), [], store.merged_steps
     storage_error: str | None = None  # the last checkpoint failure reported (a full disk: training goes on)
+    notice = preempt.Notice()
+    unwatch = preempt.watch(notice, opts.preemption_notice, opts.metadata_url)
     try:
-        while not opts.steps or learner.t < opts.steps:
+        while (not opts.steps or learner.t < opts.steps) and not notice.requested:
             step_start = time.monotonic()
             loss = _inner_step(task, model, optimizer, batches, opts)
             learner.step(tokens=task.tokens_per_batch, loss=loss)
             losses.append(loss)
+            if opts.view is not None:
+                opts.view.poll(learner.status)
             if startup is not None:
                 startup.mark("first_step")
                 emit(opts, "first_step", step=learner.t, startup_s=startup.report())
                 startup = None
             _pace(opts, step_start)
-            if opts.json and store.merged_steps != reported and learner.t % opts.progress_every:
+            if opts.records and store.merged_steps != reported and learner.t % opts.progress_every:
                 # a version merged our delta: say so now (a learner killed before its next progress line
                 # would otherwise take these merges with it)
                 emit(opts, "merged", step=learner.t, merged_steps=store.merged_steps,
@@ -171,18 +200,21 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
                      peers=len(st.members.live()), bytes=sum(st.bytes_total().values()),
                      steps_per_s=1 / st.progress.step_time_s if st.progress.step_time_s else 0.0,
                      merged_steps=store.merged_steps, merged_tokens=store.merged_tokens,
-                     **({"accepted": store.take_accepted()} if opts.json else {}))
+                     **({"accepted": store.take_accepted()} if opts.records else {}))
             if opts.eval_every and learner.t % opts.eval_every == 0:
-                emit(opts, "eval", step=learner.t, eval_loss=evaluate(model, task), tokens=learner.tokens,
+                learner.swarm.progress.eval_loss = evaluate(model, task)  # (in /v1/status and /metrics)
+                emit(opts, "eval", step=learner.t, eval_loss=learner.swarm.progress.eval_loss, tokens=learner.tokens,
                      merged_tokens=store.merged_tokens)
     except KeyboardInterrupt:
         pass
+    drained = _drain(learner, opts, notice) if notice.requested else None
     summary = {
         "peer_id": identity.peer_id,
         "steps": learner.t,
         "tokens": learner.tokens,
         "final_loss": _mean(losses[-20:]),
         "eval_loss": evaluate(model, task),
+        "global_eval_loss": evaluate(learner.global_model(), task),  # every fragment at its anchor
         "outer_steps": sum(learner.swarm.shard.outer_steps) if learner.swarm.shard else 0,
         # median seconds of this peer's published rounds: deltas taken -> version pushed to every learner
         "owner_round_s": statistics.median(learner.swarm.shard.round_s) if learner.swarm.shard and
@@ -196,12 +228,28 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
         "train_s": time.monotonic() - start,
         "shard": dict(learner.swarm.shard.stats) if learner.swarm.shard else {},
         "sync": dict(learner.swarm.sync.stats),
-        **({"accepted": store.take_accepted()} if opts.json else {}),
+        **({"accepted": store.take_accepted()} if opts.records else {}),
     }
     emit(opts, "done", **summary)
-    learner.close()
+    learner.close(checkpoint=drained is None)
+    unwatch()
     sys.stdout.flush()
+    if drained is not None and drained.checkpoint is False:
+        raise preempt.DrainIncomplete(f"the drain ended without its final checkpoint ({'; '.join(drained.skipped)}"
+                                      f" skipped); a restart resumes from step {learner.last_checkpoint_step} "
+                                      "and the versions journaled since")
     return summary
+
+
+def _drain(learner: Learner, opts: TrainOptions, notice: preempt.Notice) -> preempt.DrainReport:
+    """A notice came: leave within `opts.drain_s` of it (`Learner.drain`), and say what was done."""
+    log.warning("%s: draining within %g s (a second signal exits at once)", notice.reason, opts.drain_s)
+    report = learner.drain(notice.at + opts.drain_s, reason=notice.reason or "")
+    report.seconds = round(time.monotonic() - notice.at, 3)
+    if report.skipped:
+        log.warning("drain incomplete after %.1f s, skipped: %s", report.seconds, "; ".join(report.skipped))
+    emit(opts, "drained", **report.fields())
+    return report
 
 
 def _train_alone(spec: RunSpec, task: Task, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
