@@ -22,7 +22,7 @@ from aiohttp import web
 from diloco.protocol import canonical
 from diloco.protocol.codecs import Codec, ErrorFeedback, l2_norm
 from diloco.protocol.envelope import Envelope, EnvelopeVerifier, parse_header, seal
-from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
+from diloco.protocol.errors import Malformed, PeerUnreachable, ProtocolError, StaleVersion
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
@@ -344,7 +344,8 @@ class FragmentSync:
                     self.journal.fragment(reader.cert, reader.anchor)
         return True
 
-    async def held_above(self, ps: list[int], *, suspect: bool = True) -> dict[int, tuple[Version, list[str]]]:
+    async def held_above(self, ps: list[int], *, suspect: bool = True,
+                         unanswered: set[str] | None = None) -> dict[int, tuple[Version, list[str]]]:
         """For each fragment of `ps` that a live member holds at a version above ours: the highest such version
         and the members that hold it (GET /v1/versions of every live member at once, 2 s each; a member that
         does not answer is passed over, and suspected unless `suspect` is False: the periodic watch, which
@@ -357,8 +358,10 @@ class FragmentSync:
                                                  max_response=versions_body_max(self.P))
                 return m.peer_id, parse_versions(body, self.P)
             except (TransportError, ProtocolError) as e:
-                if suspect:
-                    self._holder_failed(m.peer_id, "asking for versions", e)  # (a dead one: a suspect at once)
+                if suspect or (unanswered is not None and isinstance(e, PeerUnreachable)):  # (dead: suspect now)
+                    self._holder_failed(m.peer_id, "asking for versions", e)
+                elif unanswered is not None:  # (a slow or busy one: the caller may ask again)
+                    unanswered.add(m.peer_id)
                 return m.peer_id, None
 
         best: dict[int, tuple[Version, list[str]]] = {}

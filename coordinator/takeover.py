@@ -38,6 +38,9 @@ from .wire import UpdateFields, momentum_body_max, parse_momentum
 log = logging.getLogger(__name__)
 PULL_HOLD_S = 10.0  # how long a new owner without its momentum holds its first step back to pull it
 PULL_RETRY_S = 1.0  # between two rounds of asking every live member
+# how long a new owner asks again a live member that did not say which versions it holds (a busy or restarting
+# peer that may hold a newer version: stepping without it would fork the fragment), before suspecting it
+NEWEST_HOLD_S = 10.0
 
 
 class Takeover:
@@ -108,7 +111,7 @@ class Takeover:
         """Bring the fragments just `taken` over to the highest version any live member holds, then let their
         owners step (they are held back until then)."""
         try:
-            above = await self.sync.held_above(taken)
+            above = await self._held_above(taken)
             for p, (target, holders) in sorted(above.items()):
                 owner = self.owners.get(p)
                 if owner is None:
@@ -132,6 +135,25 @@ class Takeover:
             for p in taken:
                 if (owner := self.owners.get(p)) is not None:
                     owner.held_back = False
+
+    async def _held_above(self, taken: list[int]) -> dict[int, tuple[Version, list[str]]]:
+        """`FragmentSync.held_above`, asked again (every `PULL_RETRY_S`, for at most `NEWEST_HOLD_S`) while a
+        live member does not answer; one still silent then is a suspect, as a failed request makes it."""
+        above: dict[int, tuple[Version, list[str]]] = {}
+        until = asyncio.get_running_loop().time() + NEWEST_HOLD_S
+        while True:
+            missed: set[str] = set()
+            for p, (v, holders) in (await self.sync.held_above(taken, suspect=False, unanswered=missed)).items():
+                if p not in above or v > above[p][0]:
+                    above[p] = (v, holders)
+            missed &= {m.peer_id for m in self.members.servers()}
+            if not missed or asyncio.get_running_loop().time() >= until:
+                break
+            self.stats["takeover_versions_asked_again"] += 1
+            await asyncio.sleep(PULL_RETRY_S)
+        for peer in missed:
+            self.members.suspect(peer)
+        return above
 
     async def pull(self, p: int, label: Version) -> None:
         """Taken over without the momentum of this version (member views differed, so the owner replicated
