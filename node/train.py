@@ -211,6 +211,7 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
     summary = {
         "peer_id": identity.peer_id,
         "steps": learner.t,
+        "params": sum(p.numel() for p in model.parameters()),
         "tokens": learner.tokens,
         "final_loss": _mean(losses[-20:]),
         "eval_loss": evaluate(model, task),
@@ -276,7 +277,8 @@ def _train_alone(spec: RunSpec, task: Task, model: torch.nn.Module, optimizer: t
                 emit(opts, "eval", step=steps, eval_loss=evaluate(model, task), tokens=steps * task.tokens_per_batch)
     except KeyboardInterrupt:
         pass
-    summary = {"peer_id": identity.peer_id, "steps": steps, "tokens": steps * task.tokens_per_batch,
+    summary = {"peer_id": identity.peer_id, "steps": steps, "params": sum(p.numel() for p in model.parameters()),
+               "tokens": steps * task.tokens_per_batch,
                "final_loss": _mean(losses[-20:]), "train_s": time.monotonic() - start, "standalone": True}
     emit(opts, "done", **summary)
     return summary

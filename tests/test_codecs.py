@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -200,7 +201,8 @@ def _int8_cases() -> dict[str, torch.Tensor]:
     return {"gaussian, a short last block": torch.randn(100_003, generator=g), "zeros": torch.zeros(1500),
             "blocks of every kind": mixed,
             "ties": (torch.randint(-300, 300, (4096,), generator=g).float() + 0.5) / 2.0,
-            "smallest subnormals": torch.tensor([1e-45, -1e-45, 3e-45])}
+            "smallest subnormals": torch.tensor([1e-45, -1e-45, 3e-45]),
+            "negative zeros": torch.full((1030,), -0.0), "empty": torch.zeros(0)}
 
 
 @pytest.mark.parametrize("case", list(_int8_cases()))
@@ -214,22 +216,65 @@ def test_the_device_int8_path_gives_the_cpu_kernels_bytes_and_values(case: str) 
     assert torch.equal(out, codec.decode(meta, data))
 
 
-def test_the_device_int8_path_refuses_what_the_kernels_refuse() -> None:
-    with pytest.raises(Malformed, match="non-finite"):
-        device_int8.encode(torch.tensor([1.0, float("nan")]), 512)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_the_device_int8_path_refuses_what_the_kernels_refuse(bad: float) -> None:
+    for at in (1, 700):  # in a whole block, in the short last block
+        x = torch.ones(1000)
+        x[at] = bad
+        with pytest.raises(Malformed, match="non-finite"):
+            device_int8.encode(x, 512)
     payload = torch.tensor(np.frombuffer(np.float32(1.0).tobytes() + bytes([0x80, 1]), np.uint8))
     with pytest.raises(Malformed, match="-128"):
         device_int8.decode(payload, 2, 512, torch.empty(2))
 
 
+_TRITON_CHECK = """
+import torch, sys
+sys.path.insert(0, "tests")
+from test_codecs import _int8_cases
+from diloco.protocol import _int8_triton
+from diloco.protocol.codecs import get_codec
+codec, g = get_codec("int8"), torch.Generator().manual_seed(7)
+cases = list(_int8_cases().values())
+for n in (1, 511, 513, 70_001):  # magnitudes across float32's range, exact zeros
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 20).clamp(max=1e30)
+    x[torch.rand(n, generator=g) < 0.01] = 0.0
+    cases.append(x)
+for x in cases:
+    payload, flag = _int8_triton.encode(x, codec.block)
+    assert payload.numpy().tobytes() == bytes(codec.encode(x)[1]) and int(flag) == 0
+for bad in (float("nan"), float("inf"), -float("inf")):
+    x = torch.ones(1000)
+    x[700] = bad
+    assert int(_int8_triton.encode(x, 512)[1]) == 1
+print("same bytes")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the test extra has it)")
+def test_the_triton_int8_encoder_gives_the_cpu_kernels_bytes_in_the_interpreter() -> None:
+    """protocol/_int8_triton.py, the kernel a CUDA learner encodes with, run by Triton's interpreter on the
+    CPU (the same kernel, numpy doing each operation): every case's bytes are the CPU kernels'."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", _TRITON_CHECK], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0 and "same bytes" in done.stdout, done.stderr[-3000:]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_int8_encodes_and_decodes_a_cuda_tensor_on_the_device_as_on_the_cpu() -> None:
-    x = gaussian(100_003)
-    codec = get_codec("int8")
+@pytest.mark.parametrize("case", list(_int8_cases()))
+def test_int8_encodes_and_decodes_a_cuda_tensor_on_the_device_as_on_the_cpu(case: str) -> None:
+    x, codec = _int8_cases()[case], get_codec("int8")
     meta, data = codec.encode(x.cuda())
     assert (meta, bytes(data)) == (codec.encode(x)[0], bytes(codec.encode(x)[1]))
     out = torch.empty(x.numel(), device="cuda")
     assert torch.equal(codec.decode(meta, data, out=out).cpu(), codec.decode(meta, data))
+    for bad in (float("nan"), float("inf")):
+        y = x.clone().cuda()
+        if y.numel():
+            y[-1] = bad
+            with pytest.raises(Malformed, match="non-finite"):
+                codec.encode(y)
 
 
 # --- decode validation ----------------------------------------------------------------------------------
