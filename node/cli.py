@@ -77,7 +77,7 @@ def keygen(out: Path, force: bool) -> None:
 
 def _hostport(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not host or int(port) > 65535:
+    if not sep or not (port.isascii() and port.isdigit()) or not host or int(port) > 65535:
         raise UserError(f"{value!r} is not HOST:PORT with a port in 0-65535 (for example 0.0.0.0:7000)")
     return host.strip("[]"), int(port)
 
@@ -141,13 +141,14 @@ def dht(listen: str, announce: str | None, peers: tuple[str, ...], key: Path | N
 
 
 def _swarm_config(listen: str, announce: str | None, peers: tuple[str, ...], client_mode: bool, region: str,
-                  fast: bool = False, wait_for_peers: float = 0.0):
+                  fast: bool = False, wait_for_peers: float = 0.0, operator_listen: str | None = None):
     from .swarm import SwarmConfig
 
     host, port = _hostport(listen)
     cfg = SwarmConfig(host=host, port=port, announce=announce, peers=[_peer_url(p) for p in peers],
                       client_mode=True if client_mode else None, region=region,
-                      bootstrap_wait_s=wait_for_peers)
+                      bootstrap_wait_s=wait_for_peers,
+                      operator_listen=_hostport(operator_listen) if operator_listen else None)
     if fast:  # localhost fleets: notice departures within seconds
         cfg.member_ttl_s, cfg.member_refresh_s, cfg.member_poll_s, cfg.watch_s = 6.0, 2.0, 1.0, 2.0
     return cfg
@@ -283,11 +284,17 @@ def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int
               help="Membership certificate of --key (`diloco-node certify`): joins an allowlist run that does "
               "not list the key. Allowlist runs are private: TLS bound to each peer's key, signed reads; open "
               "runs stay on plain HTTP.")
+@click.option("--operator-listen", default=None, metavar="HOST:PORT",
+              help="Also serve the dashboard (GET /), /v1/status and /metrics here, over plain HTTP and with no "
+              "key needed: for a browser or Prometheus where the peer's own port cannot serve them (a private "
+              "run's port answers only members' signed reads; a --client-mode peer has none). Read-only, but it "
+              "shows the peer's status to whoever reaches it: keep it on 127.0.0.1 or behind a firewall.")
 def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ...], key: Path | None,
          data: str | None, device: str, precision: str, fsdp: bool, checkpoint_dir: Path | None,
          checkpoint_every: int, client_mode: bool, region: str, steps: int, progress_every: int, eval_every: int, as_json: bool, out: Path | None, fast_membership: bool,
          wait_for_peers: float, slowdown: float, pace_s: float, standalone: bool, cert_path: Path | None,
-         drain_s: float, preemption_notice: str | None, metadata_url: str | None) -> None:
+         drain_s: float, preemption_notice: str | None, metadata_url: str | None,
+         operator_listen: str | None) -> None:
     """Join a run as a learner (and syncer shard) and train the run's task."""
     from .learner import SyncTimeout
     from .preempt import DrainIncomplete
@@ -304,7 +311,8 @@ def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ..
     if fsdp and os.environ.get("WORLD_SIZE", "1") in ("", "0", "1"):
         raise UserError("--fsdp shards the model over torchrun's ranks: start join under "
                         "`torchrun --nproc-per-node N -m diloco.node join ...`")
-    cfg = _swarm_config(listen, announce, peers, client_mode, region, fast_membership, wait_for_peers)
+    cfg = _swarm_config(listen, announce, peers, client_mode, region, fast_membership, wait_for_peers,
+                        operator_listen)
     opts = TrainOptions(steps=steps, data=data, device=device, progress_every=progress_every,
                         eval_every=eval_every, json=as_json, checkpoint_dir=checkpoint_dir,
                         checkpoint_every=checkpoint_every if checkpoint_dir else 0, slowdown=slowdown,

@@ -33,7 +33,7 @@ from diloco.coordinator.runspec import RunSpec
 from diloco.coordinator.shard import Shard
 from diloco.coordinator.sync import FragmentSync
 from diloco.coordinator.version import Version
-from diloco.coordinator.wire import ROUTE_METRICS, ROUTE_STATUS, MemberRecord
+from diloco.coordinator.wire import MemberRecord
 from diloco.protocol.codecs import get_codec
 from diloco.protocol.dht.node import BootstrapFailed, DHTNode
 from diloco.protocol.envelope import EnvelopeVerifier
@@ -43,7 +43,7 @@ from diloco.protocol.reads import READ, ReadSigner
 from diloco.protocol.tls import server_context
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
-from . import dashboard, metrics, observe, reach
+from . import observe, operator, reach
 from .heap import return_large_buffers_to_os, trim_heap
 from .journal import Journal
 from .preempt import DrainReport
@@ -90,6 +90,8 @@ class SwarmConfig:
     private: bool | None = None  # TLS on every connection and signed reads; None: iff the run is an allowlist
     certificate: Certificate | None = None  # this key's membership certificate (`diloco-node certify`): an
     # allowlist run whose spec does not list the key admits it with one (coordinator/certs.py)
+    operator_listen: tuple[str, int] | None = None  # (host, port): the dashboard, /v1/status and /metrics
+    # again over plain HTTP with no key needed, for a private run or a client-mode peer (node/operator.py)
 
 
 def is_private(spec: RunSpec, config: SwarmConfig) -> bool:
@@ -144,6 +146,7 @@ class Swarm:
         self._stopping: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
         self.server: PeerServer | None = None
+        self.operator: PeerServer | None = None  # `SwarmConfig.operator_listen`'s server (node/operator.py)
         self.client: PeerClient | None = None
         self.dht: DHTNode | None = None
         self.roster = Roster(spec)  # who is admitted now: every verifier of this peer asks it (certificates,
@@ -330,8 +333,9 @@ class Swarm:
                     await asyncio.wait_for(self.members.withdraw(), WITHDRAW_S)
             if self.dht is not None:
                 await self.dht.stop()
-            if self.server is not None:
-                await self.server.stop()
+            for server in (self.server, self.operator):
+                if server is not None:
+                    await server.stop()
             await self.client.close()
             if self.journal is not None:
                 self.journal.close()
@@ -361,9 +365,7 @@ class Swarm:
                                self.server, self.sync, self.codec, self.pool)
             for p, (label, momentum) in self._restored_momenta.items():
                 self.shard.replication.restore(p, label, momentum)
-            self.server.add_route("GET", ROUTE_STATUS, self._serve_status)
-            self.server.add_route("GET", ROUTE_METRICS, metrics.handler(self))  # (node/metrics.py)
-            dashboard.register(self.server)  # GET /: the browser view of the status (node/dashboard/)
+            operator.register_views(self.server, self)  # GET /v1/status, /metrics, / (the dashboard)
             probe = reach.ReachProbe(self.spec, self.client, self.server)
             self.members.serve(self.server)
             self.shard.verifier.is_member = probe.verifier.is_member = self.roster.admits
@@ -376,6 +378,13 @@ class Swarm:
                 raise JoinError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None
             self.url = cfg.announce or self.server.url
             self.dht.announce(self.url)
+        if cfg.operator_listen is not None:  # the views again, plain HTTP, for a browser and Prometheus
+            host, port = cfg.operator_listen
+            try:
+                self.operator = await operator.start_operator_port(self, host, port)
+            except OSError as e:
+                raise JoinError(f"cannot serve the operator's port on {host}:{port}: {e.strerror or e}") from None
+            log.info("operator's port (dashboard, /v1/status, /metrics): %s", self.operator.url)
 
     async def _join(self) -> None:
         cfg = self.config
@@ -603,5 +612,6 @@ class Swarm:
             total["bytes_out"] += t["bytes_out"]
         return total
 
-    async def _serve_status(self, request: web.Request) -> web.Response:
+    async def serve_status(self, request: web.Request) -> web.Response:
+        """GET /v1/status (node/operator.py registers it)."""
         return web.json_response(self.status(observe.history_after(request.query.get("history_after"))))

@@ -5,6 +5,7 @@ the same capture of an open run does (docs/security.md)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import ssl
 import threading
@@ -168,3 +169,38 @@ def test_a_stranger_gets_403_on_every_route_of_a_private_run_and_changes_nothing
         for n in nodes:
             n.learner.close()
         relay.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_operators_port_serves_a_private_runs_views_without_a_key_and_nothing_else():
+    """join --operator-listen (node/operator.py): the peer's own port refuses an unsigned read; the operator's
+    port answers the dashboard, the status and the metrics over plain HTTP, and has no other route."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    genesis = tiny_run(quorum=2, membership="allowlist", allowlist=[k.public_key for k in KEYS])
+    a = LocalLearner(genesis, 0, learner_kw={"identity": KEYS[0]}, private=True,
+                     operator_listen=("127.0.0.1", 0)).start()
+    b = LocalLearner(genesis, 1, [a.url], learner_kw={"identity": KEYS[1]}, private=True, client_mode=True,
+                     operator_listen=("127.0.0.1", 0)).start()  # (no port of its own: the operator's only)
+    try:
+        swarm = a.learner.swarm
+        assert swarm.operator is not None and b.learner.swarm.server is None
+        with urllib.request.urlopen(b.learner.swarm.operator.url + "/v1/status", timeout=10) as r:
+            assert json.loads(r.read())["peer_id"] == KEYS[1].peer_id
+        view = swarm.operator.url
+        assert view.startswith("http://127.0.0.1:") and a.url.startswith("https://")
+        assert answer(a.url, "GET", "/v1/status") == 403  # (unsigned: refused on the peer's own port)
+        with urllib.request.urlopen(view + "/v1/status", timeout=10) as r:
+            status = json.loads(r.read())
+        assert status["peer_id"] == KEYS[0].peer_id
+        with urllib.request.urlopen(view + "/metrics", timeout=10) as r:
+            names = {f.name for f in text_string_to_metric_families(r.read().decode())}
+        assert "diloco_inner_steps" in names
+        with urllib.request.urlopen(view + "/", timeout=10) as r:
+            assert b"<html" in r.read().lower()
+        for method, path in [("GET", "/v1/versions"), ("GET", "/v1/fragment/0"), ("POST", "/v1/delta"),
+                             ("POST", "/v1/update"), ("POST", DHT_ROUTE)]:
+            assert answer(view, method, path, b"" if method == "POST" else None) in (404, 405), path
+    finally:
+        for n in (b, a):
+            n.learner.close()
