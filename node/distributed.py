@@ -36,6 +36,7 @@ from diloco.coordinator.plan import FragmentPlan
 from .fsdp import Shards, is_sharded
 from .fsdp_optim import GatheredOptimizer
 from .learner import Learner, due_at, step_hook
+from .preempt import DrainReport
 
 
 class DistributedLearner:
@@ -74,6 +75,7 @@ class DistributedLearner:
         self._gathers: dict[str, Any] = {}  # FSDP2: when rank 0's learner reads θ (`_reads_at`)
         self.t = 0
         self.tokens = 0
+        self.leaving = False  # a rank was told to leave: every rank stops at the same step (`step`, `drain`)
 
     @property
     def is_member(self) -> bool:
@@ -150,26 +152,47 @@ class DistributedLearner:
         g = self._gathers
         return due_at(t, g["offsets"], g["inner_steps"])
 
-    def close(self) -> None:
-        """Every rank: rank 0 leaves the swarm (after a last checkpoint, which an FSDP2 learner gathers first)."""
-        if self.shards is not None and self._gathers.get("checkpoints"):
+    def close(self, checkpoint: bool = True) -> None:
+        """Every rank: rank 0 leaves the swarm (after a last checkpoint, which an FSDP2 learner gathers first;
+        `checkpoint=False` after a `drain`, which wrote it)."""
+        gathers = checkpoint and self.shards is not None and self._gathers.get("checkpoints")
+        if gathers:
             self.shards.gather(range(len(self.plan)), self._full)
             self._optim.gather()
         if self.learner is not None:
             self._clear()
-            self.learner.close()
-        if self.shards is not None and self._gathers.get("checkpoints"):
+            self.learner.close(checkpoint=checkpoint)
+        if gathers:
             self._replay_writes()  # what the last checkpoint's flush wrote: the shards end as it saved them
+
+    def drain(self, deadline: float, reason: str = "") -> DrainReport | None:
+        """Every rank, once `leaving`: rank 0 leaves the swarm cleanly by `deadline` (time.monotonic() on rank
+        0: `Learner.drain`, its deltas sent, its fragments handed over, `left`, a final checkpoint) while the
+        other ranks wait for it; an FSDP2 learner's ranks first gather θ and the optimizer's state into rank 0,
+        which the deltas and the checkpoint read. Then `close(checkpoint=False)` on every rank. Returns rank
+        0's report (None on the others)."""
+        if self.shards is not None:
+            self.shards.gather(range(len(self.plan)), self._full)
+            self._optim.gather()
+        report = None
+        if self.learner is not None:
+            self._clear()
+            report = self.learner.drain(deadline, reason)
+        dist.barrier(group=self.group)
+        return report
 
     # -- the training-loop hook -----------------------------------------------------------------------------
 
-    def step(self, tokens: int, loss: float | None = None) -> list[tuple[int, int, int]]:
+    def step(self, tokens: int, loss: float | None = None, *, leaving: bool = False) -> list[tuple[int, int, int]]:
         """After every `optimizer.step()`, on every rank: `tokens` are this rank's (summed over ranks), `loss`
-        its loss (averaged). Returns the ranges of θ the swarm wrote at this step, (p, start, stop)."""
-        counts = torch.tensor([float(tokens), float(loss) if loss is not None else 0.0], dtype=torch.float64,
-                              device=self.device)
+        its loss (averaged); `leaving`: this rank was told to leave (a preemption notice). Once any rank was,
+        `self.leaving` is True on every rank after the same step: stop there and `drain` on every rank.
+        Returns the ranges of θ the swarm wrote at this step, (p, start, stop)."""
+        counts = torch.tensor([float(tokens), float(loss) if loss is not None else 0.0, float(leaving)],
+                              dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=self.group)
         total, mean_loss = int(counts[0].item()), counts[1].item() / self.world_size
+        self.leaving = self.leaving or counts[2].item() > 0
         self.t += 1
         self.tokens += total
         if self.shards is not None:

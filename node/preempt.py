@@ -99,20 +99,27 @@ def exit_code(signum: int) -> int:
     return 128 + signum
 
 
-def install_signals(notice: Notice, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
-                    ) -> Callable[[], None]:
+ECHO_S = 5.0  # under torchrun: a signal this soon after the first is the same notice, forwarded
+
+
+def install_signals(notice: Notice, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+                    echo_s: float = 0.0) -> Callable[[], None]:
     """SIGTERM and SIGINT become a drain request; a second one exits at once (`exit_code`), skipping every
     clean-up (the drain, the checkpoint, the summary). The first signal after a metadata notice only joins
     the drain that notice started (a preempted GCP machine is shut down, SIGTERM included, as the notice
-    appears). Main thread only (Python delivers signals there). A signal that is ignored now is left
-    ignored. Returns a function that puts the previous handlers back."""
-    signalled = threading.Event()
+    appears). A second signal within `echo_s` of the first is taken for the same one arriving twice (a rank
+    under torchrun gets Ctrl-C's SIGINT, or systemd's SIGTERM to the whole group, and then the launcher's own
+    SIGTERM): it is ignored. Main thread only (Python delivers signals there). A signal that is ignored now is
+    left ignored. Returns a function that puts the previous handlers back."""
+    first: list[float] = []
 
     def handler(signum: int, _frame: object) -> None:
-        if signalled.is_set():
+        if first:
+            if time.monotonic() - first[0] < echo_s:
+                return
             os.write(2, f"second {signal.Signals(signum).name} during a drain: exiting now\n".encode())
             os._exit(exit_code(signum))
-        signalled.set()
+        first.append(time.monotonic())
         notice.request(signal.Signals(signum).name)
 
     # (a signal ignored when we started stays ignored: a shell's background job ignores SIGINT on purpose)
@@ -221,11 +228,13 @@ class MetadataPoller:
         return "gcp preemption notice" if text == "TRUE" else None
 
 
-def watch(notice: Notice, cloud: str | None = None, metadata_url: str | None = None) -> Callable[[], None]:
+def watch(notice: Notice, cloud: str | None = None, metadata_url: str | None = None,
+          echo_s: float = 0.0) -> Callable[[], None]:
     """What `join` listens to for a drain request: SIGTERM and SIGINT (from the main thread only: elsewhere
-    Python cannot take signals, and Ctrl-C stays a KeyboardInterrupt), and `cloud`'s metadata endpoint if one
-    is named. Returns the function that stops listening."""
-    undo_signals = install_signals(notice) if threading.current_thread() is threading.main_thread() else None
+    Python cannot take signals, and Ctrl-C stays a KeyboardInterrupt; `echo_s`: `install_signals`), and
+    `cloud`'s metadata endpoint if one is named. Returns the function that stops listening."""
+    undo_signals = (install_signals(notice, echo_s=echo_s) if threading.current_thread() is threading.main_thread()
+                    else None)
     poller = MetadataPoller(cloud, notice, metadata_url).start() if cloud else None
 
     def stop() -> None:

@@ -5,7 +5,10 @@
 Every rank builds the run's model, wraps it in DistributedDataParallel (or shards it with FSDP2's
 `fully_shard`, `--fsdp`) and trains on its own share of the data; rank 0 is the swarm member
 (`DistributedLearner`, node/distributed.py) and alone prints events, listens on `--listen` and writes
-checkpoints. gloo on the CPU, NCCL with `--device cuda` (each rank on its LOCAL_RANK).
+checkpoints. gloo on the CPU, NCCL with `--device cuda` (each rank on its LOCAL_RANK). SIGTERM or SIGINT (to
+torchrun, which forwards it, or to the ranks) drains the learner as it drains a single process
+(docs/preemption.md): the ranks stop at the same step and rank 0 leaves within `--drain-s`; keep that under
+torchrun's own wait before it kills its workers (30 s).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from diloco.coordinator.runspec import Genesis
 from diloco.protocol.identity import Identity
 
+from . import preempt
 from .distributed import DistributedLearner
 from .fsdp import shard_model
 from .swarm import SwarmConfig
@@ -69,8 +73,13 @@ def train_ranks(genesis: Genesis, identity: Identity, config: SwarmConfig, opts:
     shard = int.from_bytes(hashlib.sha256(identity.public_key).digest()[:4], "big")
     batches = task.batches(learner=shard * world + rank, seed=spec.seed + learner.t)
     start, losses = time.monotonic(), []
+    # every rank hears SIGTERM/SIGINT (torchrun forwards them; Ctrl-C and systemd reach the whole group, so a
+    # rank may hear one twice: `ECHO_S`); rank 0 alone polls the cloud's metadata. The ranks agree at a step.
+    notice = preempt.Notice()
+    unwatch = preempt.watch(notice, opts.preemption_notice if rank == 0 else None, opts.metadata_url,
+                            echo_s=preempt.ECHO_S)
     try:
-        while not opts.steps or learner.t < opts.steps:
+        while (not opts.steps or learner.t < opts.steps) and not learner.leaving:
             x, y = next(batches)
             with autocast(opts):
                 loss = task.loss(ddp, x.to(device), y.to(device))
@@ -78,7 +87,7 @@ def train_ranks(genesis: Genesis, identity: Identity, config: SwarmConfig, opts:
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
-            learner.step(tokens=task.tokens_per_batch, loss=losses[-1])
+            learner.step(tokens=task.tokens_per_batch, loss=losses[-1], leaving=notice.requested)
             if member is not None and learner.t % opts.progress_every == 0:
                 say(opts, "progress", step=learner.t, loss=_mean(losses[-opts.progress_every:]),
                     tokens=learner.tokens, versions=sum(v.version for v in member.labels),
@@ -87,12 +96,23 @@ def train_ranks(genesis: Genesis, identity: Identity, config: SwarmConfig, opts:
                 say(opts, "eval", step=learner.t, eval_loss=evaluate(model, task), tokens=learner.tokens)
     except KeyboardInterrupt:
         pass
+    drained = None
+    if learner.leaving:
+        at = notice.at if notice.at is not None else time.monotonic()  # (told by another rank only)
+        drained = learner.drain(at + opts.drain_s, reason=notice.reason or "another rank's notice")
+        if drained is not None:
+            drained.seconds = round(time.monotonic() - at, 3)
+            say(opts, "drained", **drained.fields())
     summary = {"peer_id": identity.peer_id, "ranks": world, "steps": learner.t, "tokens": learner.tokens,
                "final_loss": _mean(losses[-20:]), "eval_loss": evaluate(model, task),
                "versions": [str(v) for v in member.labels] if member is not None else [],
                "train_s": time.monotonic() - start}
     say(opts, "done", **summary)
-    learner.close()
+    learner.close(checkpoint=not learner.leaving)
+    unwatch()
     dist.destroy_process_group()
     sys.stdout.flush()
+    if drained is not None and drained.checkpoint is False:
+        raise preempt.DrainIncomplete(f"the drain ended without its final checkpoint ({'; '.join(drained.skipped)}"
+                                      " skipped)")
     return summary

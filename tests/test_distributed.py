@@ -255,3 +255,46 @@ def test_a_torchrun_learner_whose_rank_was_killed_rejoins_as_the_same_one_learne
     assert max(seen) <= 2, "the relaunched ranks showed up as more than one learner"
     done = [e for e in events if e["event"] == "done"]
     assert done and done[0]["steps"] == 60 and done[0]["ranks"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_torchrun_drains_the_learner_of_two_ranks_and_it_exits_cleanly(tmp_path):
+    """torchrun forwards SIGTERM to both ranks: they stop at the same step, rank 0 sends what is due, hands its
+    fragments over, marks itself `left` and writes its final checkpoint at that step, both ranks exit 0."""
+    spec, solo = _swarm_of_one(tmp_path, quorum=1)
+    key, ckpt, out = tmp_path / "key.pem", tmp_path / "ckpt", tmp_path / "run.log"
+    try:
+        with out.open("w") as f:
+            job = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                 "127.0.0.1", "--master-port", str(_free_port()), "-m", "diloco.node", "join", "--spec", str(spec),
+                 "--peers", solo.url, "--listen", "127.0.0.1:0", "--key", str(key), "--json",
+                 "--fast-membership", "--progress-every", "5", "--checkpoint-dir", str(ckpt),
+                 "--checkpoint-every", "1000", "--drain-s", "20"], stdout=f, stderr=subprocess.STDOUT, text=True)
+        from diloco.node.cli import load_identity
+
+        deadline = time.monotonic() + 120
+        while not (key.exists() and load_identity(key).peer_id in
+                   {m.peer_id for m in solo.learner.swarm.members.live()}) or '"progress"' not in out.read_text():
+            assert job.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            solo.train(5)
+        me = load_identity(key).peer_id
+        job.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        while job.poll() is None and time.monotonic() < signalled + 60:
+            solo.train(2)
+        log = out.read_text()
+        assert job.poll() is not None, "torchrun did not end after SIGTERM: " + log[-3000:]
+        assert time.monotonic() - signalled < 30, "the drain outlasted --drain-s and torchrun's own wait"
+        wait_until(lambda: me not in {m.peer_id for m in solo.learner.swarm.members.live()}, 20,
+                   "the drained learner out of the solo's view")
+    finally:
+        solo.learner.close()
+    events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    drained = [e for e in events if e["event"] == "drained"]
+    assert len(drained) == 1, log[-3000:]
+    assert drained[0]["left"] and drained[0]["checkpoint"], drained
+    done = [e for e in events if e["event"] == "done"]
+    assert done and done[0]["ranks"] == 2
+    assert load_latest(ckpt).step == done[0]["steps"], "the final checkpoint is not at the drained step"
+    assert "second SIGTERM" not in log, "a rank took torchrun's forwarded signal for a second one"
