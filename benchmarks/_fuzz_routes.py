@@ -70,6 +70,7 @@ class LivePeer:
                                            merged=(wire.Merged(me, bytes(32), 10, 640, 0),), clip=1.0).to_fields(),
             wire.REPLICATE: wire.ReplicateFields(0, 1, labels[0].next(), False, 100, meta).to_fields(),
             wire.REACH: {"url": self.swarm.url},
+            wire.ACCUSE: wire.AccuseFields(0, labels[0].next(), 120, 64).to_fields(),
         }
 
     def close(self) -> None:
@@ -133,11 +134,13 @@ def _get_request(rng: random.Random, peer: LivePeer) -> bytes:
 def _envelope_request(rng: random.Random, peer: LivePeer, *, broken: bool) -> tuple[str, bytes]:
     route, kind = rng.choice([(wire.ROUTE_DELTA, wire.DELTA), (wire.ROUTE_UPDATE, wire.UPDATE),
                               (wire.ROUTE_REPLICATE, wire.REPLICATE), (wire.ROUTE_REACH, wire.REACH),
-                              ("/v1/dht", "dht")])
+                              (wire.ROUTE_ACCUSE, wire.ACCUSE), ("/v1/dht", "dht"), ("/v1/auth", "dht")])
     if rng.random() < 0.1:
         kind = rng.choice([wire.DELTA, wire.UPDATE, "dht", "x"])
     fields: Any = peer.fields.get(kind, {"op": "ping"})
     payload = peer.tensor[1] if kind in (wire.DELTA, wire.UPDATE, wire.REPLICATE) else b""
+    if kind == wire.ACCUSE:  # (the shape of one: a replicate prefix, a momentum, a replicate frame)
+        payload = bytes(120) + peer.tensor[1][:64] + bytes(rng.randrange(0, 400))
     if kind == "dht":
         payload = canonical.packb({"node": peer.swarm.dht.info.to_wire()})
     r = rng.random()
