@@ -342,3 +342,53 @@ def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_l
                 terms.setdefault(version, set()).add(term)
         forks = {v: t for v, t in terms.items() if len(t) > 1}
         assert not forks, f"fragment {p} forked (the deltas merged into the lost branch are gone): {forks}"
+
+
+@pytest.mark.timeout(120)
+def test_an_owner_released_while_its_step_runs_commits_what_its_replicas_took_and_hands_that_over(fleet):
+    """The fork seen under load: the owner's view moved p to another peer while its outer step was
+    replicating. The replica already held the new version; had the old owner abandoned it and handed over
+    the older one, the new owner would have published a second version of the same number. Now the hand-over
+    waits for the step, which commits, and GET /v1/versions answers 503 meanwhile (the new owner asks again)."""
+    import asyncio
+    import threading
+    import urllib.error
+    import urllib.request
+
+    learners, owner, replica, p = owner_and_replica(fleet)
+    shard, store = owner.learner.swarm.shard, owner.learner.swarm.store
+    me, other = owner.learner.swarm.identity.peer_id, replica.learner.swarm.identity.peer_id
+    real = shard.replication.replicate
+    replicated, answer = threading.Event(), threading.Event()
+
+    async def slow_answer(q, *args, **kwargs):
+        acked = await real(q, *args, **kwargs)
+        if q == p:  # the replica holds it; its acknowledgement is slow to come back
+            replicated.set()
+            await asyncio.to_thread(answer.wait, 30)
+        return acked
+
+    shard.replication.replicate = slow_answer
+    before, abandoned = store.label(p), shard.stats["publications_abandoned"]
+    for ll in learners:
+        ll.train(10)
+    assert replicated.wait(30), "the owner's round did not reach its replica"
+    new = replica.learner.swarm.store.label(p)
+    assert new > before and store.label(p) == before
+    members = owner.learner.swarm.members
+    roles = members.roles
+    members.roles = lambda q: [other, me] if q == p else roles(q)  # the view that moved p to the replica
+    on_loop(owner, _release(shard, p, [other, me]))
+    assert p not in shard.owners and p in shard._releasing
+    with pytest.raises(urllib.error.HTTPError) as busy:
+        urllib.request.urlopen(f"{owner.url}/v1/versions", timeout=5)
+    assert busy.value.code == 503
+    answer.set()
+    wait_until(lambda: p not in shard._releasing, 20, "the step to end")
+    assert store.label(p) == new, "the released owner abandoned a version its replica holds"
+    assert shard.stats["publications_abandoned"] == abandoned
+    kept = replica.learner.swarm.shard.replication
+    wait_until(lambda: kept.handed.get(p) == new, 20, "the hand-over of the committed version")
+    assert kept.kept[p][0] == new and kept.kept[p][1].meta["codec"] == "fp32"
+    with urllib.request.urlopen(f"{owner.url}/v1/versions", timeout=5) as r:
+        assert r.status == 200
