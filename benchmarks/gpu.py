@@ -145,15 +145,6 @@ def _pcie_meter(device: str) -> tuple[PcieMeter | None, str | None]:
         return None, f"{type(e).__name__}: {e}"
 
 
-@contextlib.contextmanager
-def _metered(meter: PcieMeter | None):
-    if meter is None:
-        yield None
-    else:
-        with meter:
-            yield meter
-
-
 def _cli(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "diloco.node", *args], text=True, **kw)
 
@@ -209,7 +200,7 @@ def learner_figures(device: str, steps: int, work: Path) -> dict[str, float]:
     _pair(device, steps // 2, work, 99, True)  # warm-up, not counted: the device's clocks, caches, JIT
     runs, pcie_bytes = [], []
     for i, swarm in enumerate(phases):
-        with _metered(meter):
+        with meter or contextlib.nullcontext():
             runs.append(_pair(device, steps, work, i, swarm))
         pcie_bytes.append(meter.bytes if meter else None)
 

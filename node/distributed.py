@@ -157,13 +157,17 @@ class DistributedLearner:
         `checkpoint=False` after a `drain`, which wrote it)."""
         gathers = checkpoint and self.shards is not None and self._gathers.get("checkpoints")
         if gathers:
-            self.shards.gather(range(len(self.plan)), self._full)
-            self._optim.gather()
+            self._gather_all()
         if self.learner is not None:
             self._clear()
             self.learner.close(checkpoint=checkpoint)
         if gathers:
             self._replay_writes()  # what the last checkpoint's flush wrote: the shards end as it saved them
+
+    def _gather_all(self) -> None:
+        """FSDP2, every rank: θ whole and the optimizer's state into rank 0 (what a checkpoint or a drain reads)."""
+        self.shards.gather(range(len(self.plan)), self._full)
+        self._optim.gather()
 
     def drain(self, deadline: float, reason: str = "") -> DrainReport | None:
         """Every rank, once `leaving`: rank 0 leaves the swarm cleanly by `deadline` (time.monotonic() on rank
@@ -172,8 +176,7 @@ class DistributedLearner:
         which the deltas and the checkpoint read. Then `close(checkpoint=False)` on every rank. Returns rank
         0's report (None on the others)."""
         if self.shards is not None:
-            self.shards.gather(range(len(self.plan)), self._full)
-            self._optim.gather()
+            self._gather_all()
         report = None
         if self.learner is not None:
             self._clear()
