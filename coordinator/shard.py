@@ -114,7 +114,7 @@ class Shard:
         self.takeover = Takeover(store, membership, client, sync, self.replication, self.codec, self.outer,
                                  self.owners, self.stats, self._spawn)
         self.takeover.stepping = self._stepping.__contains__
-        sync.handing_over = lambda: sorted(p for p in self._releasing if p in self._stepping)
+        sync.handing_over = lambda: sorted(self._releasing)
         self.draining = ShardDrain(self)  # this peer's leaving on purpose (`drain`)
         sync.on_local_delta = self.accept_delta
         membership.on_change.append(self.reassign)
@@ -235,10 +235,7 @@ class Shard:
                 self.replication.keep(p, label, owner.momentum)
             self.draining.hand_over(p, new_owner, owner, label, anchor, cert)
             return
-        # the owner whose step runs: handed over once that step has committed or abandoned (`_step_guarded`).
-        # (Taken back and released again while that step still runs, p's newer owner never stepped: handed
-        # over now. Keeping it here would keep p "handing over" for ever, and GET /v1/versions at 503.)
-        if p in self._stepping and p not in self._releasing:
+        if p in self._stepping:  # handed over once that step has committed or abandoned (`_step_guarded`)
             self._releasing[p] = owner
             return
         self._hand_over(p, owner, roles)
