@@ -349,14 +349,12 @@ class FragmentSync:
                     self.journal.fragment(reader.cert, reader.anchor)
         return True
 
-    async def held_above(self, ps: list[int], *, suspect: bool = True, unanswered: set[str] | None = None,
-                         busy: set[str] | None = None) -> dict[int, tuple[Version, list[str]]]:
+    async def held_above(self, ps: list[int], *, suspect: bool = True,
+                         unanswered: set[str] | None = None) -> dict[int, tuple[Version, list[str]]]:
         """For each fragment of `ps` that a live member holds at a version above ours: the highest such version
         and the members that hold it (GET /v1/versions of every live member at once, 2 s each; a member that
         does not answer is passed over, and suspected unless `suspect` is False: the periodic watch, which
-        must not make a busy member look dead). `unanswered` collects the members that did not answer in time
-        (a refused connection is a suspect at once), `busy` those that answered 503 (handing a fragment over
-        whose last step still runs: alive, and never suspected for it)."""
+        must not make a busy member look dead)."""
         members = self.members.servers()
 
         async def ask(m) -> tuple[str, list[Version] | None]:
@@ -364,15 +362,6 @@ class FragmentSync:
                 body = await self.client.request("GET", m.url, ROUTE_VERSIONS, deadline_s=2.0,
                                                  max_response=versions_body_max(self.P))
                 return m.peer_id, parse_versions(body, self.P)
-            except RemoteError as e:
-                if e.status == 503 and busy is not None:
-                    busy.add(m.peer_id)
-                    return m.peer_id, None
-                if suspect:
-                    self._holder_failed(m.peer_id, "asking for versions", e)
-                elif unanswered is not None:
-                    unanswered.add(m.peer_id)
-                return m.peer_id, None
             except (TransportError, ProtocolError) as e:
                 if suspect or (unanswered is not None and isinstance(e, PeerUnreachable)):  # (dead: suspect now)
                     self._holder_failed(m.peer_id, "asking for versions", e)

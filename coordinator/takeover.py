@@ -138,20 +138,16 @@ class Takeover:
 
     async def _held_above(self, taken: list[int]) -> dict[int, tuple[Version, list[str]]]:
         """`FragmentSync.held_above`, asked again (every `PULL_RETRY_S`, for at most `NEWEST_HOLD_S`) while a
-        live member does not answer or answers that it is handing a fragment over (503); one still silent then
-        is a suspect, as a failed request makes it; one still busy is not (it answers: it is alive)."""
+        live member does not answer; one still silent then is a suspect, as a failed request makes it."""
         above: dict[int, tuple[Version, list[str]]] = {}
         until = asyncio.get_running_loop().time() + NEWEST_HOLD_S
         while True:
             missed: set[str] = set()
-            busy: set[str] = set()  # (503: handing a fragment over, its last step still running: ask again)
-            for p, (v, holders) in (await self.sync.held_above(taken, suspect=False, unanswered=missed,
-                                                               busy=busy)).items():
+            for p, (v, holders) in (await self.sync.held_above(taken, suspect=False, unanswered=missed)).items():
                 if p not in above or v > above[p][0]:
                     above[p] = (v, holders)
-            servers = {m.peer_id for m in self.members.servers()}
-            missed &= servers
-            if not (missed or busy & servers) or asyncio.get_running_loop().time() >= until:
+            missed &= {m.peer_id for m in self.members.servers()}
+            if not missed or asyncio.get_running_loop().time() >= until:
                 break
             self.stats["takeover_versions_asked_again"] += 1
             await asyncio.sleep(PULL_RETRY_S)
