@@ -92,10 +92,6 @@ class Shard:
         self._wake: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stepping: set[int] = set()
-        # p -> its owner released while an outer step of p ran: the hand-over waits for that step to commit or
-        # abandon (a version its replicas took must not be forked by the next owner), and meanwhile GET
-        # /v1/versions answers 503 so that the next owner asks again before it steps (coordinator/takeover.py)
-        self._releasing: dict[int, FragmentOwner] = {}
         self._probing: set[str] = set()
         self.enabled = False  # becomes True once the membership view has been read at least once
         self._live_seen: set[str] = set()  # the live learners at the last `reassign`
@@ -114,7 +110,6 @@ class Shard:
         self.takeover = Takeover(store, membership, client, sync, self.replication, self.codec, self.outer,
                                  self.owners, self.stats, self._spawn)
         self.takeover.stepping = self._stepping.__contains__
-        sync.handing_over = lambda: sorted(self._releasing)
         self.draining = ShardDrain(self)  # this peer's leaving on purpose (`drain`)
         sync.on_local_delta = self.accept_delta
         membership.on_change.append(self.reassign)
@@ -235,19 +230,10 @@ class Shard:
                 self.replication.keep(p, label, owner.momentum)
             self.draining.hand_over(p, new_owner, owner, label, anchor, cert)
             return
-        if p in self._stepping:  # handed over once that step has committed or abandoned (`_step_guarded`)
-            self._releasing[p] = owner
+        if new_owner is None or owner.momentum is None:
             return
-        self._hand_over(p, owner, roles)
-
-    def _hand_over(self, p: int, owner: FragmentOwner, roles: list[str]) -> None:
-        """Send the released `owner`'s committed state of p (anchor and momentum of one version) to the new
-        owner, `roles[0]`, unless that is this peer again."""
-        new_owner = roles[0] if roles else None
-        if new_owner is None or new_owner == self.members.peer_id or owner.momentum is None:
-            return
-        # A committed snapshot, taken now: the anchor and the momentum of one version. A popped owner whose
-        # step is over never commits again.
+        # A committed snapshot, taken now: the anchor and the momentum of one version. A step still running
+        # writes only its own buffers, and a popped owner never commits again.
         anchor, label, cert = self.store.snapshot(p)
         if label != GENESIS and label == owner.label:
             if self.members.peer_id in roles:  # still a replica of p: keep what a replica would
@@ -286,9 +272,6 @@ class Shard:
             self.stats["outer_step_failures"] += 1
         finally:
             self._stepping.discard(p)
-            if self._releasing.get(p) is owner:
-                del self._releasing[p]
-                self._hand_over(p, owner, self.members.roles(p))
             self._poke()  # deltas may have queued up meanwhile
 
     def _poke(self) -> None:
@@ -353,9 +336,7 @@ class Shard:
             if replicated is None:  # replicas in view, none holds it: try again once the view has moved on
                 await asyncio.sleep(self.members.poll_s)  # (the failed replicas are suspects by now)
                 return None
-            # released meanwhile, its replicas hold this version: commit it all the same, and hand it over
-            released = self._releasing.get(p) is owner and p not in self.owners
-            if (self.owners.get(p) is not owner and not released) or self.store.label(p) != pub.base:
+            if self.owners.get(p) is not owner or self.store.label(p) != pub.base:
                 return None
             # the commit: no await from here on
             frame = env.frame()

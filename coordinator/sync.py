@@ -22,7 +22,7 @@ from aiohttp import web
 from diloco.protocol import canonical
 from diloco.protocol.codecs import Codec, ErrorFeedback, l2_norm
 from diloco.protocol.envelope import Envelope, EnvelopeVerifier, parse_header, seal
-from diloco.protocol.errors import Malformed, PeerUnreachable, ProtocolError, StaleVersion, Unavailable
+from diloco.protocol.errors import Malformed, PeerUnreachable, ProtocolError, StaleVersion
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
 
@@ -108,8 +108,6 @@ class FragmentSync:
         self._encoding: collections.defaultdict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         # Set by the shard: a delta for a fragment this peer owns is handed over without the network.
         self.on_local_delta: Callable[[Envelope], None] | None = None
-        # the fragments whose hand-over waits for their last outer step (the shard's): GET /v1/versions is 503
-        self.handing_over: Callable[[], list[int]] = list
         self.journal: VersionJournal | None = None  # set by the learner when it keeps checkpoints
         # the checks of an owner's work this learner can make (coordinator/audit.py)
         self.guard = UpdateGuard(membership.peer_id, lambda peer: self.distrust.distrusted(peer), self.stats)
@@ -221,10 +219,7 @@ class FragmentSync:
         return web.Response(body=canonical.packb(frames), content_type="application/octet-stream")
 
     async def _serve_versions(self, request: web.Request) -> web.Response:
-        """GET /v1/versions: this holder's version of every fragment; 503 while it hands a fragment over whose
-        last outer step still runs (the version it will hold is not known yet: docs/protocol.md §7.12)."""
-        if busy := self.handing_over():
-            raise Unavailable(f"handing fragment {busy[0]} over: its last outer step is still running; ask again")
+        """GET /v1/versions: this holder's version of every fragment."""
         return web.Response(body=pack_versions(self.store.labels()), content_type="application/octet-stream")
 
     # -- fetching -------------------------------------------------------------------------------------------
