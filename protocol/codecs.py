@@ -7,8 +7,9 @@ raises only `Malformed` or `TooLarge` (never `IndexError`, `ValueError`, a crash
 This module must never unpickle, never trust a length it did not compute itself, and never put a non-finite
 value on the wire or hand one back from the wire.
 
-Codecs: `fp32` (identity), `fp16`, `bf16`, `int8` (blockwise absmax, linear) and `int4` (blockwise NF4).
-`ErrorFeedback` carries what a lossy codec dropped into the next encode of the same key.
+Codecs: `fp32` (identity), `fp16`, `bf16`, `int8` (blockwise absmax, linear), `int4` (blockwise NF4) and
+`topk` (chunked top-k, `protocol/sparse.py`). `ErrorFeedback` carries what a lossy codec dropped into the next
+encode of the same key.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -44,6 +46,9 @@ class Codec(ABC):
     """Turns a float tensor into `(meta, payload)` and back. Instances are stateless and thread-safe."""
 
     name: ClassVar[str]
+    # True when `encode_delta` keeps only a few coordinates: an owner then merges by the weighted mean
+    # (coordinator/merge.py `mean_prefix`)
+    sparse: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Payload]:
@@ -52,6 +57,17 @@ class Codec(ABC):
         Returns `meta` (str keys; int/str/list values; always "codec" and "shape") and the payload.
         Raises `Malformed("tensor contains non-finite values")` for inf/NaN: such deltas are refused.
         """
+
+    def encode_delta(self, tensor: torch.Tensor) -> tuple[dict[str, Any], Payload]:
+        """Encode a delta or an update: a tensor whose sender carries what the encoding dropped into its next
+        one (θ[p] or an error-feedback residual). `encode` for every codec but those, like `topk`'s sparse
+        form, that drop too much for anything else."""
+        return self.encode(tensor)
+
+    def encode_update(self, tensor: torch.Tensor, merged: int) -> tuple[dict[str, Any], Payload]:
+        """Encode an owner's update, the merge of `merged` deltas: `encode_delta` for every codec but a sparse
+        one, whose update has room for the coordinates of all of them."""
+        return self.encode_delta(tensor)
 
     @abstractmethod
     def decode(
@@ -107,9 +123,22 @@ def get_codec(name: str) -> Codec:
                 f"codec {name[:40]!r} needs hivemind, which is not installed here ({err})"
             ) from None
     codec = _REGISTRY.get(name)
+    family = _FAMILIES.get(name.partition(":")[0]) if codec is None and ":" in name else None
+    if family is not None:
+        return family(name)
     if codec is None:
         raise Malformed(f"unknown codec {name[:40]!r}; known: {', '.join(available_codecs())}")
     return codec
+
+
+# codec families: "NAME:ARGS" names a registered codec's variant (`topk:CHUNK:K:BITS`), built by its factory;
+# the variant's meta names the family, so any peer decodes it with the family's own codec
+_FAMILIES: dict[str, Callable[[str], Codec]] = {}
+
+
+def register_family(name: str, factory: Callable[[str], Codec]) -> None:
+    """`get_codec("NAME:...")` returns `factory("NAME:...")`, which raises `Malformed` for a bad name."""
+    _FAMILIES[name] = factory
 
 
 # --- helpers shared by every codec (and the hivemind adapter) -----------------------------------------------
@@ -160,9 +189,10 @@ def load_kernels() -> None:
     GIL), so a long-lived peer calls this at start-up rather than stall its network loop at the first
     decode. Idempotent, and a few milliseconds once loaded."""
     with K.without_scipy_blas():
-        for name in ("fp32", "fp16", "bf16", "int8", "int4"):
+        for name in ("fp32", "fp16", "bf16", "int8", "int4", "topk"):
             codec = _REGISTRY[name]
             codec.decode(*codec.encode(torch.zeros(2)))
+            codec.decode(*codec.encode_delta(torch.zeros(2)))
         l2_norm(torch.zeros(1))
 
 
@@ -477,7 +507,7 @@ class ErrorFeedback:
     """Error feedback (Seide et al. 2014; Karimireddy et al. 2019, EF-SGD): what a lossy codec dropped from
     one encode of `key` is added to the next, so the sum of decoded tensors tracks the sum of inputs.
 
-    encode: `x = tensor + residual[key]`; send `codec.encode(x)`; `residual[key] = x - decode(encoded)`.
+    encode: `x = tensor + residual[key]`; send `codec.encode_delta(x)`; `residual[key] = x - decode(encoded)`.
     Residuals live on the CPU as float32. Not thread-safe per key.
     """
 
@@ -494,7 +524,7 @@ class ErrorFeedback:
             raise ValueError(f"error feedback {key!r}: shape {list(x.shape)} != {list(carried.shape)}")
         else:
             x = x + carried
-        meta, data = self.codec.encode(x)
+        meta, data = self.codec.encode_delta(x)
         self._residuals[key] = x.sub_(self.codec.decode(meta, data, max_elements=max(x.numel(), 1)))
         return meta, data
 
@@ -516,3 +546,6 @@ class ErrorFeedback:
             self._residuals.clear()
         else:
             self._residuals.pop(key, None)
+
+
+from diloco.protocol import sparse as _sparse  # noqa: E402, F401  (registers `topk`; it builds on the above)
