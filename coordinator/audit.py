@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 # ‖Û − U_ref‖ allowed, as a fraction of the size of the step's terms lr·((1+μ)‖Δ̄‖ + μ²‖b‖): the codec's rounding
 # of U and of the replicated momentum, and the owner's error-feedback residual (a previous rounding), fit well
 # inside; a scaled, sign-flipped or noisy update does not.
-TOLERANCE = {"fp32": 1e-3, "fp16": 0.02, "bf16": 0.05, "int8": 0.1, "int4": 0.5}
+TOLERANCE = {"fp32": 1e-3, "fp16": 0.02, "bf16": 0.05, "int8": 0.1, "int4": 0.5,
+             "topk": 0.1}  # (its update: every coordinate of the merge, values rounded to 6 bits: ~0.005)
 NORM_WINDOW = 32  # accepted update norms kept per fragment (and run-wide, as RMS)
 NORM_WARMUP = 5  # accepted updates before a fragment's own history is used
 NORM_K = 20.0  # an update norm above k × the median of its history is refused (momentum warm-up: ~5×)
@@ -78,7 +79,8 @@ def recompute(f: UpdateFields, frames: Sequence[bytes | memoryview], open_frame:
             raise AuditFailed(f"a delta frame is not the delta of {m.learner[:8]} that update {f.new} names")
         contributions.append(Contribution(Encoded(codec, d.codec, env.payload).decode(numel), m.tokens, m.steps,
                                           m.staleness, m.learner))
-    result = merge(contributions, clip_c=clip_c, embedding_numel=embedding_numel, limit=f.clip, max_share=max_share)
+    result = merge(contributions, clip_c=clip_c, embedding_numel=embedding_numel, limit=f.clip,
+                   max_share=max_share, sparse=codec.sparse)
     merged_norm = l2_norm(result.delta)
     new_momentum = outer.update_into(result.delta, momentum)  # result.delta is U_ref from here on
     scale = outer.lr * ((1 + outer.momentum) * merged_norm + outer.momentum**2 * (0.0 if momentum is None

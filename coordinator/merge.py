@@ -184,6 +184,7 @@ def merge(
     reference_norms: Sequence[float] = (),
     max_share: float = 1.0,
     limit: float | None = None,
+    sparse: bool = False,
 ) -> MergeResult:
     """Merge the contributions of one fragment (docs/architecture.md §6.2).
 
@@ -195,6 +196,8 @@ def merge(
     buffers of the fragment's size; fresh ones when not given). Norms are clipped against the median of
     theirs and `reference_norms` (`clip_factors`); no contribution's share is above `max_share`
     (`capped_shares`). `limit` fixes λ instead (a replica recomputing a published merge, coordinator/audit.py).
+    `sparse` (the deltas of a sparse codec, `Codec.sparse`): every coordinate gets the weighted mean of the
+    clipped deltas that hold it (a non-zero value there), 0 where none does; no RDA (`sparse_mean`).
 
     Raises `InvalidContribution` (or its subclass `NonFiniteDelta`) for the first bad contribution: validate
     each one with `validate` on receipt and drop the bad ones so that this never raises.
@@ -210,9 +213,11 @@ def merge(
     if not 0 <= k <= numel or (is_embedding and embedding_numel not in (None, numel)):
         raise ValueError(f"embedding_numel={embedding_numel} does not fit a fragment of {numel} elements")
     out = torch.zeros(numel, dtype=torch.float32) if out is None else out.zero_()
-    mean, direction = out[:k], out[k:]
     weights = capped_shares([token_weight(c.tokens, c.steps, c.staleness) for c in cs], max_share)
     total = math.fsum(weights)
+    if sparse:
+        return sparse_mean(cs, weights, total, numel, out, scratch, clip_c, reference_norms, limit)
+    mean, direction = out[:k], out[k:]
     # Pass 1: the norms, and RDA's sum of unit directions (φ(sΔ_m) = Δ_m/‖Δ_m‖: clipping keeps the direction).
     norms, tails = [], []  # ‖Δ_m‖, and ‖Δ_m[k:]‖ (the RDA part's own norm)
     for i, (c, w) in enumerate(zip(cs, weights, strict=True)):
@@ -238,6 +243,30 @@ def merge(
                     direction.add_(delta_of(c, scratch)[k:], alpha=w / (total * n))
         radius = math.fsum(w * n * s for w, n, s in zip(weights, tails, factors, strict=True)) / total
         _finish_rda(direction, radius, len(cs))
+    return _result(out, cs, weights, total, norms, factors, limit)
+
+
+def sparse_mean(cs: list[Contribution], weights: list[float], total: float, numel: int, out: Tensor,
+                scratch: Tensor | None, clip_c: float, reference_norms: Sequence[float],
+                limit: float | None) -> MergeResult:
+    """The merge of sparse deltas: out[i] = Σ_m w_m s_m Δ_m[i] / Σ_{m: Δ_m[i] ≠ 0} w_m (s_m the clip factors).
+    Their supports barely overlap, and a delta's zeros are coordinates its sender kept back (they stay in its
+    θ[p] for a later delta), not a zero move: a plain mean would shrink a coordinate one learner sent by its
+    share, and RDA would scale it by about √M (docs/protocol.md §7.21)."""
+    norms = [validate(c, numel, delta_of(c, scratch)) for c in cs]
+    limit = clip_limit(norms, clip_c, reference_norms) if limit is None else limit
+    factors = clip_factors(norms, clip_c, limit=limit)
+    held = torch.zeros(numel, dtype=torch.float32)  # Σ w_m over the deltas holding each coordinate
+    for c, w, s in zip(cs, weights, factors, strict=True):
+        d = delta_of(c, scratch)
+        out.add_(d, alpha=w * s / total)
+        held.add_(d.ne(0).to(torch.float32), alpha=w / total)
+    out.div_(held.masked_fill_(held == 0, 1.0))
+    return _result(out, cs, weights, total, norms, factors, limit)
+
+
+def _result(out: Tensor, cs: list[Contribution], weights: list[float], total: float, norms: list[float],
+            factors: list[float], limit: float) -> MergeResult:
     return MergeResult(
         delta=out,
         weights=[w / total for w in weights],

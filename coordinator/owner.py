@@ -149,16 +149,22 @@ class FragmentOwner:
         self.pending[delta.learner] = delta
         self.tracker.add(delta.learner)
 
+    def _pull_hold(self) -> float | None:
+        """Until when a momentum pull holds the first step back: never for an optimizer without momentum
+        (a `topk` run, docs/protocol.md §7.21), which has none to wait for."""
+        return self.hold_until if self.outer.momentum != 0 else None
+
     def ready(self, now: float | None = None) -> bool:
         now = self.clock() if now is None else now
-        held = self.held_back or (self.hold_until is not None and now < self.hold_until)
+        hold = self._pull_hold()
+        held = self.held_back or (hold is not None and now < hold)
         return bool(self.pending) and not held and self.tracker.ready(now)
 
     def deadline(self) -> float | None:
         if not self.pending or self.held_back:
             return None
-        due = self.tracker.deadline()
-        return due if self.hold_until is None or due is None else max(due, self.hold_until)
+        due, hold = self.tracker.deadline(), self._pull_hold()
+        return due if hold is None or due is None else max(due, hold)
 
     def take_round(self) -> list[PendingDelta]:
         """End the round: its deltas, for `step`; deltas arriving from now on belong to the next round."""
@@ -189,13 +195,16 @@ class FragmentOwner:
         try:
             result = merge(contributions, clip_c=self.settings.clip_c, embedding_numel=self.embedding_numel,
                            out=update, scratch=scratch, reference_norms=tuple(self.norms),
-                           max_share=self.settings.max_share)
+                           max_share=self.settings.max_share, sparse=self.codec.sparse)
             momentum = self.outer.update_into(result.delta, committed, out=spare)  # result.delta is now U
-            if self.settings.error_feedback and residual is not None:
+            # a sparse codec's update holds every coordinate of the merge and rounds only the values: no
+            # residual, so a replica recomputes it to that rounding (docs/protocol.md §7.21)
+            feedback = self.settings.error_feedback and not self.codec.sparse
+            if feedback and residual is not None:
                 update.add_(residual.decode(self.numel, out=scratch))
-            meta, payload = self.codec.encode(update)
+            meta, payload = self.codec.encode_update(update, len(contributions))
             self.codec.decode(meta, payload, max_elements=self.numel, out=decoded)
-            if self.settings.error_feedback:
+            if feedback:
                 # what the codec dropped, carried into the next update; its own int8 rounding (~1/256 of a
                 # residual that is itself ~1/256 of the update) is not carried
                 residual = Encoded(RESIDUAL_CODEC, *RESIDUAL_CODEC.encode(update.sub_(decoded)))

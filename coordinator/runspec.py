@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.protocol import canonical
+from diloco.protocol.codecs import Codec, available_codecs, get_codec
 from diloco.protocol.errors import Malformed
 from diloco.protocol.identity import PUBLIC_KEY_BYTES, Identity, peer_id_of, verify
 
@@ -72,6 +73,7 @@ class RunSpec:
             problems.append("max_tokens_per_step must be >= 1 and max_share in (0, 1]")
         if not 0 <= self.outer_momentum < 1 or not self.outer_lr > 0:
             problems.append("outer_lr must be > 0 and outer_momentum in [0, 1)")
+        problems += codec_problems(self)
         if self.membership not in MEMBERSHIP_POLICIES:
             problems.append(f"membership must be one of {MEMBERSHIP_POLICIES}")
         if any(len(k) != PUBLIC_KEY_BYTES for k in self.allowlist):
@@ -121,6 +123,45 @@ class RunSpec:
 
     def is_member(self, public_key: bytes) -> bool:
         return self.membership == "open" or public_key in self.allowlist or public_key == self.creator
+
+
+# The outer optimizer of a run whose codec is sparse (`topk`), where the run's fields leave it unset: no
+# momentum (its update is the sparse merge itself; a momentum would spread it over every coordinate), and a
+# larger lr than the dense default, which leans on momentum's 1/(1-mu) (docs/protocol.md §7.21, the sweep in
+# the README).
+SPARSE_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0}
+
+
+def codec_defaults(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` (RunSpec's) with an outer optimizer left unset (absent, or None as a CLI passes it) filled in:
+    `SPARSE_OUTER` for a sparse codec, the RunSpec defaults otherwise."""
+    given = {k: v for k, v in fields.items() if not (k in SPARSE_OUTER and v is None)}
+    codec = known_codec(given.get("codec"))
+    return {**SPARSE_OUTER, **given} if codec is not None and codec.sparse else given
+
+
+def known_codec(name: Any) -> Codec | None:
+    """The codec `name` names (a registered one, or a variant such as `topk:4096:32:2`), or None. A
+    `hivemind_*` name is None here: its adapter is imported only when a peer first needs it."""
+    if not isinstance(name, str) or name.startswith("hivemind_"):
+        return None
+    try:
+        return get_codec(name)
+    except Malformed:
+        return None
+
+
+def codec_problems(spec: RunSpec) -> list[str]:
+    """What is wrong with the spec's codec: a name no peer could decode (a `hivemind_*` adapter is registered
+    when first asked for, so any such name passes here)."""
+    name, codec = spec.codec, known_codec(spec.codec)
+    if codec is None and not (isinstance(name, str) and name.startswith("hivemind_")):
+        return [f"codec must be one of {', '.join(available_codecs())} (or topk:CHUNK:K:BITS), got "
+                f"{str(name)[:40]!r}"]
+    if codec is not None and codec.sparse and spec.outer_momentum != 0:
+        # its update is the sparse merge itself; a momentum would make it dense (docs/protocol.md §7.21)
+        return [f"codec {name} needs outer_momentum 0 (its learners' error feedback takes momentum's place)"]
+    return []
 
 
 @dataclass(frozen=True)

@@ -479,7 +479,7 @@ class FragmentSync:
                 produced = self.feedback.residual(str(p))
                 merged: Move = delta
             else:  # what the codec dropped stays in θ[p] and goes out with the next delta
-                meta, payload = await asyncio.to_thread(self.codec.encode, delta)
+                meta, payload = await asyncio.to_thread(self.codec.encode_delta, delta)
                 merged = Encoded(self.codec, meta, payload)
                 del delta
                 self.pool.give(live_fragment)

@@ -166,6 +166,18 @@ def _load_run(path: Path):
         raise UserError(f"run spec {path}: {e.strerror or e}") from None
 
 
+def check_codec(name: str) -> None:
+    """A codec name a run can use (`--codec`), or a `UserError` naming the choices."""
+    from diloco.protocol.codecs import available_codecs, get_codec
+    from diloco.protocol.errors import Malformed
+
+    try:
+        get_codec(name)
+    except Malformed as e:
+        raise UserError(e.reason if ":" in name else f"unknown codec {name!r}; choose one of "
+                        f"{', '.join(available_codecs())} (or a sparse variant topk:CHUNK:K:BITS)") from None
+
+
 @main.command("init-run")
 @click.option("--name", required=True, help="Run name (shown to peers).")
 @click.option("--task", default="markov", show_default=True, help="Built-in task: markov, kjv or file:PATH; or "
@@ -176,9 +188,13 @@ def _load_run(path: Path):
 @click.option("--fragments", default=4, show_default=True, help="P: fragments the model is cut into.")
 @click.option("--inner-steps", default=100, show_default=True, help="H: inner steps between two deltas of a fragment.")
 @click.option("--quorum", default=2, show_default=True, help="K: minimum learners merged per outer step.")
-@click.option("--codec", default="int8", show_default=True, help="Codec of deltas and updates (int8, int4, bf16, ...).")
-@click.option("--outer-lr", default=0.35, show_default=True, help="Outer (Nesterov SGD) learning rate.")
-@click.option("--outer-momentum", default=0.9, show_default=True)
+@click.option("--codec", default="int8", show_default=True, help="Codec of deltas and updates: int8, int4, bf16, "
+              "fp16, fp32, or topk (sparse: chunked top-k with 2-bit values, for links of a few Mbit/s; docs/protocol.md "
+              "§6).")
+@click.option("--outer-lr", type=float, default=None, help="Outer (Nesterov SGD) learning rate.  [default: 0.35; "
+              "1.0 with a sparse codec]")
+@click.option("--outer-momentum", type=float, default=None, help="Outer Nesterov momentum.  [default: 0.9; 0 with "
+              "a sparse codec, which needs 0]")
 @click.option("--max-staleness", default=4, show_default=True, help="Deltas older than this many versions are dropped.")
 @click.option("--max-tokens-per-step", default=1 << 24, show_default=True,
               help="The most tokens one learner may report for one inner step; an owner refuses a delta that "
@@ -195,16 +211,14 @@ def _load_run(path: Path):
               help="The creator's key file (created if missing); it signs the spec.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("run.spec"), show_default=True)
 def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int, quorum: int, codec: str,
-             outer_lr: float, outer_momentum: float, max_staleness: int, max_tokens_per_step: int,
+             outer_lr: float | None, outer_momentum: float | None, max_staleness: int, max_tokens_per_step: int,
              max_share: float, seed: int, synchronous: bool, allow: tuple[str, ...], key: Path, out: Path) -> None:
     """Write and sign a RunSpec: everything the swarm must agree on. Prints the run id."""
-    from diloco.protocol.codecs import available_codecs
     from diloco.protocol.errors import ProtocolError
 
     from .train import new_run
 
-    if codec not in available_codecs():
-        raise UserError(f"unknown codec {codec!r}; choose one of {', '.join(available_codecs())}")
+    check_codec(codec)
     try:
         allowlist = tuple(bytes.fromhex(a) for a in allow)
     except ValueError:
@@ -582,12 +596,9 @@ def demo(peers: int, steps: int, task: str, inner_steps: int, fragments: int, co
     """
     import json as _json
 
-    from diloco.protocol.codecs import available_codecs
-
     from .demo import DemoError, DemoOptions, run_demo
 
-    if codec not in available_codecs():
-        raise UserError(f"unknown codec {codec!r}; choose one of {', '.join(available_codecs())}")
+    check_codec(codec)
     opts = DemoOptions(peers=peers, steps=steps, task=task, inner_steps=inner_steps, fragments=fragments,
                        codec=codec, workdir=workdir, json=as_json, progress_every=progress_every,
                        timeout_s=timeout_s, live=False if _log_format() == "json" else None)

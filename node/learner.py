@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.plan import FragmentPlan
-from diloco.coordinator.runspec import Genesis, RunSpec
+from diloco.coordinator.runspec import Genesis, RunSpec, codec_defaults
 from diloco.coordinator.version import GENESIS, Version
 from diloco.protocol.codecs import load_kernels
 from diloco.protocol.identity import Identity
@@ -116,8 +116,9 @@ def _digest_of(fragments: list[torch.Tensor]) -> bytes:
 
 def create_run(creator: Identity, name: str, network: torch.nn.Module, **fields) -> Genesis:
     """A signed RunSpec (`fields` are RunSpec's) for `network`: its fragment plan and initial parameters are
-    pinned in the spec, so a learner with another model or init is refused at `start()`."""
-    spec = RunSpec(name, **fields)
+    pinned in the spec, so a learner with another model or init is refused at `start()`. A sparse codec's
+    outer optimizer, when `fields` leave it unset, is `runspec.SPARSE_OUTER`."""
+    spec = RunSpec(name, **codec_defaults(fields))
     plan = FragmentPlan.from_module(network, spec.fragments)
     spec = dataclasses.replace(spec, plan_digest=plan.digest(), genesis_digest=genesis_digest(plan, network))
     return Genesis.create(creator, spec)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from diloco.coordinator.runspec import Genesis, RunSpec
+from diloco.coordinator.runspec import Genesis, RunSpec, codec_defaults
 from diloco.protocol.identity import Identity
 
 from . import preempt
@@ -49,7 +49,7 @@ def task_of(spec: RunSpec, data: str | None = None) -> Task:
 
 def new_run(creator: Identity, name: str, **fields: Any) -> Genesis:
     """A signed RunSpec of a built-in task, pinned to the task's model (see `learner.create_run`)."""
-    return create_run(creator, name, task_of(RunSpec(name, **fields)).build_model(), **fields)
+    return create_run(creator, name, task_of(RunSpec(name, **codec_defaults(fields))).build_model(), **fields)
 
 
 @dataclass

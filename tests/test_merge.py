@@ -256,3 +256,30 @@ def test_a_merge_caps_the_share_of_a_delta_whatever_its_counters_claim():
     out = merge(contributions(deltas, tokens=[1, 10**9], steps=[1, 1]), is_embedding=True, max_share=0.5)
     assert out.weights == pytest.approx([0.5, 0.5])
     torch.testing.assert_close(out.delta, torch.full((4,), 0.5))
+
+
+def test_sparse_deltas_get_the_weighted_mean_of_the_deltas_holding_each_coordinate() -> None:
+    a = torch.tensor([1.0, 0.0, 2.0, 0.0, 0.0])
+    b = torch.tensor([0.0, -3.0, 4.0, 0.0, 0.0])
+    c = torch.tensor([0.0, 0.0, 0.0, 0.5, 0.0])
+    cs = [Contribution(a, 100, 10), Contribution(b, 300, 10), Contribution(c, 100, 10)]
+    w = [token_weight(x.tokens, x.steps) for x in cs]  # 1000, 9000, 1000
+    result = merge(cs, clip_c=1e9, sparse=True)
+    expected = torch.tensor([1.0, -3.0, (w[0] * 2.0 + w[1] * 4.0) / (w[0] + w[1]), 0.5, 0.0])
+    assert torch.allclose(result.delta, expected, rtol=1e-6, atol=0)
+    # the same contributions merged densely: a coordinate one learner sent shrinks by its share
+    dense = merge(cs, clip_c=1e9, is_embedding=True).delta
+    assert dense[0].item() == pytest.approx(w[0] / sum(w))
+
+
+def test_sparse_merge_clips_and_caps_shares_like_the_dense_one() -> None:
+    big = torch.zeros(8)
+    big[0] = 1000.0
+    small = [torch.zeros(8) for _ in range(3)]
+    for i, d in enumerate(small):
+        d[1 + i] = 1.0
+    cs = [Contribution(big, 100, 10), *(Contribution(d, 100, 10) for d in small)]
+    result = merge(cs, clip_c=3.0, sparse=True, max_share=0.5)
+    assert result.clipped == 1 and result.limit == pytest.approx(3.0)
+    assert result.delta[0].item() == pytest.approx(3.0)  # clipped to λ, alone on its coordinate
+    assert torch.equal(result.delta[1:4], torch.ones(3)) and result.delta[4:].abs().sum() == 0

@@ -143,10 +143,10 @@ class PausingCodec:
         self.codec, self.name = codec, codec.name
         self.inside, self.release = threading.Event(), threading.Event()
 
-    def encode(self, tensor):
+    def encode_update(self, tensor, merged):
         self.inside.set()
         assert self.release.wait(10), "the test never released the step"
-        return self.codec.encode(tensor)
+        return self.codec.encode_update(tensor, merged)
 
     def __getattr__(self, name):
         return getattr(self.codec, name)

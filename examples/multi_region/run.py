@@ -1,7 +1,8 @@
 """Multi-region emulation: one learner per "region", each in its own network namespace, behind a slow, far link.
 
     sudo .venv/bin/python examples/multi_region/run.py [--seconds 90] [--rate-mbit 20] [--latency-ms 40,80,120]
-                                                       [--regions 3] [--inner-steps 30] [--fragments 4] [--json]
+                                                       [--regions 3] [--inner-steps 30] [--fragments 4] [--codec int8]
+                                                       [--json]
 
 Builds a hub namespace and one namespace per region (`dnmr-<pid>-hub`, `dnmr-<pid>-r0` ...), joins each region to
 the hub with a veth pair (10.213.<i>.2 in the region, 10.213.<i>.1 in the hub), limits both directions of every
@@ -20,7 +21,7 @@ the configured one-way latency per direction. Then it writes a run spec (`diloco
                   mean and max over all samples taken while every learner was training
 
 With --json the last line is one JSON object: goodput, bytes_per_step, staleness_mean, staleness_max, regions,
-rate_mbit, latency_ms, seconds. Needs root and iproute2 (`ip`, `tc`); says so in one line when either is missing.
+rate_mbit, latency_ms, seconds, codec. Needs root and iproute2 (`ip`, `tc`); says so in one line when either is missing.
 Everything it starts is killed and reaped, and every namespace and veth it created (only those) is deleted, in a
 `finally` block, also on Ctrl-C and SIGTERM.
 
@@ -102,6 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--regions", type=int, default=3, help="regions (one learner each), 2 to 8")
     ap.add_argument("--inner-steps", type=int, default=30, help="H of the run spec")
     ap.add_argument("--fragments", type=int, default=4, help="P of the run spec")
+    ap.add_argument("--codec", default="int8", help="codec of the run spec (topk: sparse, for thin links)")
     ap.add_argument("--prefix", default=None, help="namespace name prefix (default dnmr-<pid>)")
     ap.add_argument("--workdir", type=Path, default=None, help="run spec, keys and logs (default: a fresh temp dir)")
     ap.add_argument("--json", action="store_true", help="a JSON summary object as the last line")
@@ -297,7 +299,7 @@ class Emulation:
         spec = self.workdir / "run.spec"
         sh(sys.executable, "-m", "diloco.node.cli", "init-run", "--name", f"multi-region-{os.getpid()}",
            "--key", str(self.workdir / "creator.pem"), "--inner-steps", str(a.inner_steps),
-           "--fragments", str(a.fragments), "--out", str(spec))
+           "--fragments", str(a.fragments), "--codec", a.codec, "--out", str(spec))
         config = {"routes": [{"listen": [hub_address(i), PORT], "target": [region_address(i), PORT],
                               "region": i} for i in range(self.n)],
                   "sources": {region_address(i): i for i in range(self.n)}, "latency_ms": a.latency}
@@ -407,6 +409,7 @@ class Emulation:
             "rate_mbit": a.rate_mbit,
             "latency_ms": a.latency,
             "seconds": a.seconds,
+            "codec": a.codec,
         }
 
     def report(self, s: dict[str, Any]) -> list[str]:
