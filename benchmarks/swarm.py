@@ -20,11 +20,15 @@ What each key measures (all on loopback, one torch thread per process):
                           a 4-learner tiny-GPT swarm at the default RunSpec and default membership timings
   ddp_bytes_per_step      what a fp32 ring all-reduce moves per step per worker: 2·2(M−1)/M·4·params
   bandwidth_reduction     ddp_bytes_per_step ÷ bytes_per_step
+  sparse_bytes_per_step   bytes_per_step of the same swarm at the same RunSpec but for the sparse codec's fields
+                          (`SPARSE`: codec topk, docs/protocol.md §6 and §7.21), measured right after it
+  sparse_bandwidth_reduction  ddp_bytes_per_step ÷ sparse_bytes_per_step
   extra_rss_bytes_per_param  (peak RSS of a stand-in learner after rounds in which fragments go out one after
                           the other, as the schedule sends them − peak RSS of the same process holding the same
                           model and AdamW state without the swarm) ÷ 25M
   rss_growth_bytes_per_param  change of the current RSS between the first and the last of those rounds ÷ 25M
-The last line of stdout is one JSON object with these keys.
+The last line of stdout is one JSON object with these keys. `--bandwidth` measures only the last five (the two
+4-learner swarms, side by side).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 JOINERS = 3  # join_s and hivemind_load_state_s are medians over this many joins
+SPARSE = {"codec": "topk"}  # the RunSpec fields of a sparse run (docs/protocol.md §7.21)
 
 
 def log(*a: object) -> None:
@@ -160,19 +165,18 @@ def stand_in_part(tmp: Path, rounds: int) -> dict:
             w.stop()
 
 
-def tiny_part(tmp: Path, steps: int, bytes_steps: int) -> dict:
+def tiny_part(tmp: Path, steps: int, bytes_steps: int, bandwidth_only: bool = False,
+              sparse_fields: dict | None = None) -> dict:
     from diloco.node.tasks import make_task
     from diloco.node.train import new_run
     from diloco.protocol.identity import Identity
 
-    spec = tmp / "tiny.spec"
+    spec, sparse_spec = tmp / "tiny.spec", tmp / "tiny-sparse.spec"
     new_run(Identity.generate(), "tiny-bench").save(spec)  # the default RunSpec
-    alone = [Worker([str(HERE / "_swarm_worker.py"), "tiny", str(steps)]) for _ in range(2)]
-    standalone = statistics.mean(w.event()["steps_per_s"] for w in alone)
-    for w in alone:
-        w.stop()
+    sparse_fields = SPARSE if sparse_fields is None else sparse_fields
+    new_run(Identity.generate(), "tiny-bench-sparse", **sparse_fields).save(sparse_spec)
 
-    def swarm(m: int, n_steps: int, fast: bool) -> list[list[dict]]:
+    def swarm(m: int, n_steps: int, fast: bool, spec: Path = spec) -> list[list[dict]]:
         args = ["-m", "diloco.node.cli", "join", "--run", str(spec), "--listen", "127.0.0.1:0", "--json",
                 "--steps", str(n_steps), "--progress-every", "10", *(["--fast-membership"] if fast else [])]
         ws = [Worker(args)]
@@ -193,32 +197,67 @@ def tiny_part(tmp: Path, steps: int, bytes_steps: int) -> dict:
         a, b = prog[len(prog) // 10], prog[-1]
         return (b["step"] - a["step"]) / (b["t"] - a["t"])
 
-    in_swarm = statistics.mean(speed(evs) for evs in swarm(2, steps, fast=True))
-    log(f"tiny GPT steps/s: standalone {standalone:.2f}, in a 2-learner swarm {in_swarm:.2f}")
-    # the traffic at the membership timings a user runs: the member polls and DHT reads cost bytes per second,
-    # not per step, so at the test-only --fast-membership timings (2.5x as frequent) the per-step figure would
-    # measure the machine's speed as much as the protocol
-    four = swarm(4, bytes_steps, fast=False)
-    per_step = statistics.mean((e[-1]["bytes"]["bytes_in"] + e[-1]["bytes"]["bytes_out"]) / e[-1]["steps"]
+    def bytes_per_step(spec: Path, what: str) -> float:
+        # the traffic at the membership timings a user runs: the member polls and DHT reads cost bytes per
+        # second, not per step, so at the test-only --fast-membership timings (2.5x as frequent) the per-step
+        # figure would measure the machine's speed as much as the protocol
+        four = swarm(4, bytes_steps, fast=False, spec=spec)
+        routes: dict[str, float] = {}
+        for e in four:
+            for route, n in e[-1].get("bytes_by_route", {}).items():
+                routes[route] = routes.get(route, 0.0) + n / e[-1]["steps"] / len(four)
+        log(f"{what}: bytes per inner step per learner by route: "
+            + ", ".join(f"{r} {n:.0f}" for r, n in sorted(routes.items(), key=lambda kv: -kv[1]) if n >= 1))
+        return statistics.mean((e[-1]["bytes"]["bytes_in"] + e[-1]["bytes"]["bytes_out"]) / e[-1]["steps"]
                                for e in four)
+
+    out: dict = {}
+    if not bandwidth_only:
+        alone = [Worker([str(HERE / "_swarm_worker.py"), "tiny", str(steps)]) for _ in range(2)]
+        standalone = statistics.mean(w.event()["steps_per_s"] for w in alone)
+        for w in alone:
+            w.stop()
+        in_swarm = statistics.mean(speed(evs) for evs in swarm(2, steps, fast=True))
+        log(f"tiny GPT steps/s: standalone {standalone:.2f}, in a 2-learner swarm {in_swarm:.2f}")
+        out["overhead_ratio"] = in_swarm / standalone
     params = make_task("markov").build_model().num_params()
     ddp = 2 * 2 * (4 - 1) / 4 * 4 * params
-    return {"overhead_ratio": in_swarm / standalone, "bytes_per_step": per_step, "ddp_bytes_per_step": ddp,
-            "bandwidth_reduction": ddp / per_step}
+    per_step, sparse = bytes_per_step(spec, "int8"), bytes_per_step(sparse_spec, "sparse")
+    log(f"bytes per inner step per learner: {per_step:.0f} (the default RunSpec, int8), {sparse:.0f} "
+        f"({sparse_fields}); a fp32 ring all-reduce moves {ddp:.0f}")
+    return {**out, "bytes_per_step": per_step, "ddp_bytes_per_step": ddp, "bandwidth_reduction": ddp / per_step,
+            "sparse_bytes_per_step": sparse, "sparse_bandwidth_reduction": ddp / sparse}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (about a minute or two)")
     ap.add_argument("--json", action="store_true", help="only the JSON line matters (it is always the last)")
+    ap.add_argument("--bandwidth", action="store_true", help="only the bytes per step, int8 and sparse side by side")
+    ap.add_argument("--sparse-codec", default=SPARSE["codec"], help="the sparse side's codec (a sweep: topk:C:K:B)")
+    ap.add_argument("--sparse-set", action="append", default=[], metavar="FIELD=NUMBER",
+                    help="a numeric RunSpec field of the sparse side only (a sweep: inner_steps=50)")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
+    sparse_fields = {**SPARSE, "codec": args.sparse_codec}
+    for item in args.sparse_set:
+        key, _, value = item.partition("=")
+        sparse_fields[key] = float(value) if "." in value else int(value)
+    if args.bandwidth:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = tiny_part(Path(tmp), 0, bytes_steps=300 if args.quick else 800, bandwidth_only=True,
+                               sparse_fields=sparse_fields)
+        log(f"bandwidth_reduction {result['bandwidth_reduction']:.0f} (target >= 150), sparse_bandwidth_reduction "
+            f"{result['sparse_bandwidth_reduction']:.0f} (target >= 1000)")
+        print(json.dumps(result))
+        return
     import _hivemind_swarm as hm
 
     result: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         result.update(stand_in_part(Path(tmp), rounds=2 if args.quick else 4))
-        result.update(tiny_part(Path(tmp), steps=300 if args.quick else 600, bytes_steps=300 if args.quick else 800))
+        result.update(tiny_part(Path(tmp), steps=300 if args.quick else 600, bytes_steps=300 if args.quick else 800,
+                                    sparse_fields=sparse_fields))
     result["raw_transfer_s"] = hm.raw_transfer_s(100_000_000, repeats=3)
     result["hivemind_allreduce_s"] = hm.hivemind_allreduce_s(25_000_000, 4, repeats=2 if args.quick else 3)
     result["hivemind_load_state_s"] = hm.hivemind_load_state_s(25_000_000, 4, repeats=JOINERS)
@@ -229,7 +268,8 @@ def main() -> None:
         f"(ratio {r['join_s'] / r['hivemind_load_state_s']:.2f}, target <= 0.5) and raw transfer "
         f"{r['raw_transfer_s']:.3f} (ratio {r['join_s'] / r['raw_transfer_s']:.1f}, target <= 4)")
     log(f"overhead_ratio {r['overhead_ratio']:.3f} (target >= 0.90); bandwidth_reduction "
-        f"{r['bandwidth_reduction']:.0f} (target >= 150); extra RSS {r['extra_rss_bytes_per_param']:.2f} B/param "
+        f"{r['bandwidth_reduction']:.0f} (target >= 150), sparse {r['sparse_bandwidth_reduction']:.0f} (target >= "
+        f"1000); extra RSS {r['extra_rss_bytes_per_param']:.2f} B/param "
         "(target <= 12)")
     print(json.dumps(result))
 

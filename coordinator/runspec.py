@@ -125,19 +125,19 @@ class RunSpec:
         return self.membership == "open" or public_key in self.allowlist or public_key == self.creator
 
 
-# The outer optimizer of a run whose codec is sparse (`topk`), where the run's fields leave it unset: no
-# momentum (its update is the sparse merge itself; a momentum would spread it over every coordinate), and a
-# larger lr than the dense default, which leans on momentum's 1/(1-mu) (docs/protocol.md §7.21, the sweep in
-# the README).
-SPARSE_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0}
+# The defaults of a run whose codec is sparse (`topk`), where the run's fields leave them unset: no outer
+# momentum (its update is the sparse merge itself; a momentum would spread it over every coordinate), lr 1.0
+# (each coordinate's merge is already its senders' mean), and H = 50: a sparse delta carries a few percent of
+# the progress, so it goes out twice as often (docs/protocol.md §7.21; the sweep is in the README).
+SPARSE_DEFAULTS = {"outer_lr": 1.0, "outer_momentum": 0.0, "inner_steps": 50}
 
 
 def codec_defaults(fields: dict[str, Any]) -> dict[str, Any]:
-    """`fields` (RunSpec's) with an outer optimizer left unset (absent, or None as a CLI passes it) filled in:
-    `SPARSE_OUTER` for a sparse codec, the RunSpec defaults otherwise."""
-    given = {k: v for k, v in fields.items() if not (k in SPARSE_OUTER and v is None)}
+    """`fields` (RunSpec's) with those of `SPARSE_DEFAULTS` left unset (absent, or None as a CLI passes them)
+    filled in: `SPARSE_DEFAULTS` for a sparse codec, the RunSpec defaults otherwise."""
+    given = {k: v for k, v in fields.items() if not (k in SPARSE_DEFAULTS and v is None)}
     codec = known_codec(given.get("codec"))
-    return {**SPARSE_OUTER, **given} if codec is not None and codec.sparse else given
+    return {**SPARSE_DEFAULTS, **given} if codec is not None and codec.sparse else given
 
 
 def known_codec(name: Any) -> Codec | None:

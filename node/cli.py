@@ -186,7 +186,8 @@ def check_codec(name: str) -> None:
 @click.option("--model", "preset", default="tiny", show_default=True, help="Model preset of the built-in GPT: "
               "tiny or small.")
 @click.option("--fragments", default=4, show_default=True, help="P: fragments the model is cut into.")
-@click.option("--inner-steps", default=100, show_default=True, help="H: inner steps between two deltas of a fragment.")
+@click.option("--inner-steps", type=int, default=None, help="H: inner steps between two deltas of a fragment.  "
+              "[default: 100; 50 with a sparse codec]")
 @click.option("--quorum", default=2, show_default=True, help="K: minimum learners merged per outer step.")
 @click.option("--codec", default="int8", show_default=True, help="Codec of deltas and updates: int8, int4, bf16, "
               "fp16, fp32, or topk (sparse: chunked top-k with 2-bit values, for links of a few Mbit/s; docs/protocol.md "
@@ -210,7 +211,7 @@ def check_codec(name: str) -> None:
 @click.option("--key", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_KEY, show_default=True,
               help="The creator's key file (created if missing); it signs the spec.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("run.spec"), show_default=True)
-def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int, quorum: int, codec: str,
+def init_run(name: str, task: str, preset: str, fragments: int, inner_steps: int | None, quorum: int, codec: str,
              outer_lr: float | None, outer_momentum: float | None, max_staleness: int, max_tokens_per_step: int,
              max_share: float, seed: int, synchronous: bool, allow: tuple[str, ...], key: Path, out: Path) -> None:
     """Write and sign a RunSpec: everything the swarm must agree on. Prints the run id."""

@@ -117,7 +117,7 @@ def _digest_of(fragments: list[torch.Tensor]) -> bytes:
 def create_run(creator: Identity, name: str, network: torch.nn.Module, **fields) -> Genesis:
     """A signed RunSpec (`fields` are RunSpec's) for `network`: its fragment plan and initial parameters are
     pinned in the spec, so a learner with another model or init is refused at `start()`. A sparse codec's
-    outer optimizer, when `fields` leave it unset, is `runspec.SPARSE_OUTER`."""
+    outer optimizer and H, where `fields` leave them unset, are `runspec.SPARSE_DEFAULTS`."""
     spec = RunSpec(name, **codec_defaults(fields))
     plan = FragmentPlan.from_module(network, spec.fragments)
     spec = dataclasses.replace(spec, plan_digest=plan.digest(), genesis_digest=genesis_digest(plan, network))

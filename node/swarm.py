@@ -604,6 +604,15 @@ class Swarm:
             out.update(fn())
         return out
 
+    def bytes_by_route(self) -> dict[str, int]:
+        """Bytes in + out per route, served and sent together (where a swarm's traffic goes)."""
+        out: dict[str, int] = {}
+        for counters in ([self.server.counters] if self.server else []) + ([self.client.counters] if self.client else []):
+            for table in (counters.served, counters.sent):
+                for route, c in table.items():
+                    out[route] = out.get(route, 0) + c.bytes_in + c.bytes_out
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
     def bytes_total(self) -> dict[str, int]:
         total = {"bytes_in": 0, "bytes_out": 0}
         for counters in ([self.server.counters] if self.server else []) + ([self.client.counters] if self.client else []):

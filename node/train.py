@@ -222,6 +222,7 @@ def train(genesis: Genesis, identity: Identity, config: SwarmConfig, opts: Train
         learner.swarm.shard.round_s else None,
         "versions": [str(v) for v in learner.labels],
         "bytes": learner.swarm.bytes_total(),
+        "bytes_by_route": learner.swarm.bytes_by_route(),
         "sent_steps": learner.sent_steps,
         "merged_steps": store.merged_steps,
         "merged_tokens": store.merged_tokens,

@@ -63,8 +63,8 @@ class TopkCodec(Codec):
     its index and a `bits`-bit code (sign, level) into the chunk's codebook of 2^(bits-1) magnitudes (the
     means of equal-count groups of the chosen magnitudes, bfloat16); everything else decodes to 0.
 
-    Default chunk 4096, k 64 (1.56%), 2 bits: 116 bytes per 4096 elements, 141x below fp32 and 36x below
-    int8 (docs/protocol.md §6 gives the sweep that chose them). Decode copies codebook values into place:
+    Default chunk 4096, k 128 (3.1%), 2 bits: 228 bytes per 4096 elements, 72x below fp32 and 18x below
+    int8 (the README gives the sweep of k and H that chose them). Decode copies codebook values into place:
     every receiver gets the same bits."""
 
     name = "topk"
@@ -72,7 +72,7 @@ class TopkCodec(Codec):
 
     sparse = True
 
-    def __init__(self, chunk: int = 4096, k: int = 64, bits: int = 2, update_bits: int = 6) -> None:
+    def __init__(self, chunk: int = 4096, k: int = 128, bits: int = 2, update_bits: int = 6) -> None:
         if chunk < 2 or chunk & (chunk - 1) or chunk > 1 << MAX_CHUNK_LOG2:
             raise ValueError(f"topk chunk must be a power of two in [2, {1 << MAX_CHUNK_LOG2}]")
         if not 1 <= k <= chunk or not 1 <= bits <= MAX_BITS or not 1 <= update_bits <= MAX_BITS:

@@ -103,9 +103,9 @@ def test_ties_go_to_the_lowest_index_and_zeros_decode_to_zero() -> None:
     assert torch.equal(codec.decode(*codec.encode_delta(torch.zeros(5000))), torch.zeros(5000))
 
 
-def test_sparse_form_of_the_default_codec_is_36x_below_int8() -> None:
-    assert TOPK.delta_size(1 << 20) == 256 * 116  # 4 codebook bytes + 64 entries of 14 bits per 4096 elements
-    assert get_codec("int8").encoded_size(1 << 20) / TOPK.delta_size(1 << 20) > 35
+def test_sparse_form_of_the_default_codec_is_18x_below_int8() -> None:
+    assert TOPK.delta_size(1 << 20) == 256 * 228  # 4 codebook bytes + 128 entries of 14 bits per 4096 elements
+    assert get_codec("int8").encoded_size(1 << 20) / TOPK.delta_size(1 << 20) > 18
 
 
 def test_encode_gives_the_dense_form_int8_layout_under_the_topk_name() -> None:

@@ -5,7 +5,7 @@ import torch
 from click.testing import CliRunner
 
 from diloco.coordinator.fragments import anchor_digest
-from diloco.coordinator.runspec import SPARSE_OUTER, Genesis, RunSpec
+from diloco.coordinator.runspec import SPARSE_DEFAULTS, Genesis, RunSpec, codec_defaults
 from diloco.node.cli import main
 from diloco.protocol.codecs import get_codec
 from diloco.protocol.errors import Malformed
@@ -15,8 +15,10 @@ from .swarm_utils import LocalLearner, tiny_run, wait_until
 
 def test_a_sparse_run_gets_its_outer_optimizer_unless_the_fields_name_one() -> None:
     spec = tiny_run(codec="topk").spec
-    assert (spec.outer_lr, spec.outer_momentum) == (SPARSE_OUTER["outer_lr"], SPARSE_OUTER["outer_momentum"])
+    assert (spec.outer_lr, spec.outer_momentum) == (SPARSE_DEFAULTS["outer_lr"], SPARSE_DEFAULTS["outer_momentum"])
     assert tiny_run(codec="topk", outer_lr=0.5).spec.outer_lr == 0.5
+    assert RunSpec("x", **codec_defaults({"codec": "topk"})).inner_steps == SPARSE_DEFAULTS["inner_steps"]
+    assert RunSpec("x", **codec_defaults({"codec": "int8", "inner_steps": None})).inner_steps == 100
     dense = tiny_run(codec="int8").spec
     assert (dense.outer_lr, dense.outer_momentum) == (RunSpec("x").outer_lr, RunSpec("x").outer_momentum)
 
@@ -34,7 +36,8 @@ def test_init_run_writes_a_sparse_run_and_says_why_it_refuses_a_momentum(tmp_pat
     r = runner.invoke(main, ["init-run", "--name", "sparse", "--codec", "topk", "--key", str(key), "--out", str(out)])
     assert r.exit_code == 0, r.output
     spec = Genesis.load(out).spec
-    assert (spec.codec, spec.outer_momentum, spec.outer_lr) == ("topk", 0.0, SPARSE_OUTER["outer_lr"])
+    assert (spec.codec, spec.outer_momentum, spec.outer_lr) == ("topk", 0.0, SPARSE_DEFAULTS["outer_lr"])
+    assert spec.inner_steps == SPARSE_DEFAULTS["inner_steps"]
     r = runner.invoke(main, ["init-run", "--name", "sparse", "--codec", "topk", "--outer-momentum", "0.9",
                              "--key", str(key), "--out", str(tmp_path / "bad.spec")])
     assert r.exit_code != 0 and "needs outer_momentum 0" in r.output
