@@ -38,7 +38,7 @@ class RunSpec:
     grace_gamma: float = 1.0  # γ
     overlap: float = 10.0  # τ, in inner steps
     grace_cap_s: float = 30.0
-    outer_lr: float = 0.35  # not the paper's 0.7: better with RDA + rebase (docs/architecture.md §6.3)
+    outer_lr: float = 0.2  # not the paper's 0.7: the global model's sweep at M = 4 and 8 (docs/architecture.md §6.3)
     outer_momentum: float = 0.9
     codec: str = "int8"
     error_feedback: bool = False

@@ -192,7 +192,7 @@ def check_codec(name: str) -> None:
 @click.option("--codec", default="int8", show_default=True, help="Codec of deltas and updates: int8, int4, bf16, "
               "fp16, fp32, or topk (sparse: chunked top-k with 2-bit values, for links of a few Mbit/s; docs/protocol.md "
               "§6).")
-@click.option("--outer-lr", type=float, default=None, help="Outer (Nesterov SGD) learning rate.  [default: 0.35; "
+@click.option("--outer-lr", type=float, default=None, help="Outer (Nesterov SGD) learning rate.  [default: 0.2; "
               "1.0 with a sparse codec]")
 @click.option("--outer-momentum", type=float, default=None, help="Outer Nesterov momentum.  [default: 0.9; 0 with "
               "a sparse codec, which needs 0]")
