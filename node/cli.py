@@ -571,7 +571,8 @@ def status(url: str, as_json: bool, run_path: Path | None, key: Path | None) -> 
               help="H: inner steps between two deltas of a fragment (short, so a short demo has many outer steps).")
 @click.option("--fragments", default=4, show_default=True, type=click.IntRange(min=1),
               help="P: fragments the model is cut into.")
-@click.option("--codec", default="int8", show_default=True, help="Codec of deltas and updates (int8, int4, bf16, ...).")
+@click.option("--codec", default="int8", show_default=True, help="Codec of deltas and updates (int8, int4, bf16, "
+              "fp16, fp32, topk).")
 @click.option("--workdir", "--out", "workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the run spec, keys and the learners' logs go. Default: a fresh temporary directory "
               "(printed at the start).")
