@@ -149,22 +149,16 @@ class FragmentOwner:
         self.pending[delta.learner] = delta
         self.tracker.add(delta.learner)
 
-    def _pull_hold(self) -> float | None:
-        """Until when a momentum pull holds the first step back: never for an optimizer without momentum
-        (a `topk` run, docs/protocol.md §7.21), which has none to wait for."""
-        return self.hold_until if self.outer.momentum != 0 else None
-
     def ready(self, now: float | None = None) -> bool:
         now = self.clock() if now is None else now
-        hold = self._pull_hold()
-        held = self.held_back or (hold is not None and now < hold)
+        held = self.held_back or (self.hold_until is not None and now < self.hold_until)
         return bool(self.pending) and not held and self.tracker.ready(now)
 
     def deadline(self) -> float | None:
         if not self.pending or self.held_back:
             return None
-        due, hold = self.tracker.deadline(), self._pull_hold()
-        return due if hold is None or due is None else max(due, hold)
+        due = self.tracker.deadline()
+        return due if self.hold_until is None or due is None else max(due, self.hold_until)
 
     def take_round(self) -> list[PendingDelta]:
         """End the round: its deltas, for `step`; deltas arriving from now on belong to the next round."""

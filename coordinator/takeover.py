@@ -161,9 +161,10 @@ class Takeover:
         /v1/momentum/{p}?label=T.V) until one has it, in rounds `PULL_RETRY_S` apart for at most
         `PULL_HOLD_S`, while the owner holds its first step back (stepping would start the momentum from
         zero, and the one pulled afterwards would belong to an older version). A member that fails or answers
-        something malformed is passed over; once the hold is over the owner steps with a fresh momentum."""
+        something malformed is passed over; once the hold is over the owner steps with a fresh momentum.
+        A run without outer momentum (a `topk` run, docs/protocol.md §7.21) has none to pull: no request, no hold."""
         owner = self.owners.get(p)
-        if owner is None:
+        if owner is None or self.outer.momentum == 0:
             return
         until = owner.hold_until = owner.clock() + PULL_HOLD_S
         try:

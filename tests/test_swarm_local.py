@@ -144,9 +144,9 @@ def test_a_learner_that_stops_is_dropped_at_the_next_poll_and_a_joiner_then_find
     wait_until(lambda: late.learner.labels == rest[0].learner.labels, 10, "the joiner at the versions of the others")
 
 
-def owner_and_replica(fleet) -> tuple[list[LocalLearner], LocalLearner, LocalLearner, int]:
+def owner_and_replica(fleet, **run) -> tuple[list[LocalLearner], LocalLearner, LocalLearner, int]:
     """Two learners of a 2-fragment run, two versions in: (both, the owner of p, its replica, p)."""
-    learners = fleet(tiny_run(fragments=2, quorum=2), 2)  # each fragment: one owns it, the other replicates it
+    learners = fleet(tiny_run(fragments=2, quorum=2, **run), 2)  # each fragment: one owns it, the other replicates it
     wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 2 for ll in learners), 20, "2 live members")
     for _ in range(2):
         for ll in learners:
@@ -234,6 +234,26 @@ def test_a_new_owner_holds_its_first_step_back_and_asks_again_until_a_member_has
     shard.owners[p].momentum = None
     on_loop(owner, shard.takeover.pull(p, label))
     assert shard.stats["momentum_pull_gave_up"] == 1 and shard.owners[p].hold_until is None
+
+
+@pytest.mark.timeout(120)
+def test_a_new_owner_of_a_sparse_run_asks_nobody_for_a_momentum_and_holds_no_step_back(fleet):
+    _, owner, holder, p = owner_and_replica(fleet, codec="topk")
+    shard = owner.learner.swarm.shard
+    assert shard.owners[p].momentum is None  # (a run without outer momentum keeps none)
+    asked = []
+    real_ask = shard.takeover._ask
+
+    async def ask(*a):
+        asked.append(a)
+        return await real_ask(*a)
+
+    shard.takeover._ask = ask
+    on_loop(owner, shard.takeover.pull(p, owner.learner.swarm.store.label(p)), timeout=5)
+    assert asked == [] and shard.owners[p].hold_until is None
+    served = holder.learner.swarm.server.counters.served
+    assert not [r for r in served if "momentum" in r], served
+    assert shard.stats["momentum_pull_gave_up"] == 0 and shard.momentum_source[p] != "pulled"
 
 
 @pytest.mark.timeout(120)
