@@ -232,3 +232,72 @@ async def test_a_full_bucket_pings_its_oldest_contact_however_many_lookup_rpcs_a
         assert dead[0].node_id not in node.routing and dead[1].node_id in node.routing
     finally:
         await stop_all([node, newcomer])
+
+
+async def _find_value(client, node: DHTNode, asker: DHTNode, key: str, have: list) -> dict:
+    return await asker._rpc(node.url, "find_value", {"key": key, "have": have}, node.identity.node_id)
+
+
+async def test_a_replier_answers_by_prefix_the_records_a_reader_names_and_sends_the_others_in_full(client):
+    nodes = await swarm(4, client)
+    a, b = nodes[0], nodes[1]
+    key, exp = "run:x:members", time.time() + 60
+    try:
+        for n in nodes:
+            await n.store(key, n.identity.peer_id.encode(), exp, subkey=n.identity.peer_id)
+        held = {r.signature[:8]: r for r in a.storage.get(key).subkeys.values()}
+        assert len(held) == 4
+        reply = await _find_value(client, b, a, key, sorted(held))
+        assert reply["records"] == [] and reply["same"] == set(held)  # 4 prefixes of 8 bytes, no record
+        full = await _find_value(client, b, a, key, [])
+        assert {r.signature[:8] for r in full["records"]} == set(held) and full["same"] == set()
+        # a newer record only b holds comes in full, and the reader's get merges it with what it named
+        newer = ValueRecord.create(nodes[2].identity, key, b"newer", exp + 10, nodes[2].identity.peer_id)
+        b.storage.store(newer)
+        for n in nodes[2:]:
+            n.storage.store(newer)
+        reply = await _find_value(client, b, a, key, sorted(held))
+        assert [r.value for r in reply["records"]] == [b"newer"] and len(reply["same"]) == 3
+        got = await a.get(key, latest=True)
+        assert set(got) == {n.identity.peer_id for n in nodes} and got[nodes[2].identity.peer_id][0] == b"newer"
+        # a prefix the reader never named, or no record of its own, adds nothing to what it reads
+        lone = await DHTNode.start(client=client, bootstrap=[b.url])
+        nodes.append(lone)
+        reply = await _find_value(client, b, lone, key, [b"\0" * 8])
+        assert len(reply["records"]) == 4 and reply["same"] == set()
+        assert set(await lone.get(key, latest=True)) == {n.identity.peer_id for n in nodes[:4]}
+    finally:
+        await stop_all(nodes)
+
+
+@pytest.mark.parametrize("have", [[b"short"], [b"x" * 9], "not a list", [b"\0" * 8] * 10_001])
+async def test_a_malformed_have_list_is_refused_and_changes_nothing(client, have):
+    nodes = await swarm(2, client)
+    try:
+        await nodes[1].store("k", b"v", time.time() + 60)
+        before = len(nodes[1].storage)
+        with pytest.raises(Exception, match="400|have"):
+            await _find_value(client, nodes[1], nodes[0], "k", have)
+        assert len(nodes[1].storage) == before
+    finally:
+        await stop_all(nodes)
+
+
+async def test_a_poll_for_the_latest_dictionary_asks_no_more_nodes_than_its_quorum_needs(client, monkeypatch):
+    asked: list[str] = []
+    handle = DHTNode._handle
+
+    async def counting(self, env, request):
+        asked.append(env.fields.get("op"))
+        return await handle(self, env, request)
+
+    monkeypatch.setattr(DHTNode, "_handle", counting)  # before the nodes bind it to their routes
+    nodes = await swarm(4, client)
+    try:
+        for n in nodes:
+            await n.store("m", b"v", time.time() + 60, subkey=n.identity.peer_id)
+        asked.clear()
+        assert len(await nodes[0].get("m", latest=True)) == 4
+        assert asked == ["find_value", "find_value"]  # the local copy and 2 replies make the quorum of 3
+    finally:
+        await stop_all(nodes)

@@ -37,6 +37,9 @@ MAX_REQUEST = 1024 * 1024
 MAX_REPLY = 4 * 1024 * 1024
 MAX_RECORDS_PER_STORE = 64
 MAX_PINGS = 64  # liveness pings of full buckets' oldest contacts in flight at once
+HAVE_BYTES = 8  # a record named in `have`/`same` by its signature's first bytes (docs/protocol.md §5.5)
+MAX_HAVE = 10_000
+SEEN_KEYS = 256  # keys whose last `get_records` result is kept, to name in the next lookup's `have`
 register_kind("dht", MAX_REQUEST)
 register_kind("dht.reply", MAX_REPLY)
 
@@ -86,6 +89,7 @@ class DHTNode:
             self.announce(url)
         self._replies = EnvelopeVerifier(network_id, kinds={"dht.reply"})
         self._own: dict[tuple[str, str | None], ValueRecord] = {}
+        self._seen: dict[str, list[ValueRecord]] = {}  # key -> the records its last get returned (`_known`)
         self._tasks: set[asyncio.Task] = set()
         self._pinging: set[int] = set()  # node ids with a liveness ping in flight (see `_saw`)
         self._maintenance: asyncio.Task | None = None
@@ -212,7 +216,7 @@ class DHTNode:
         if local is not None:
             found.append(_records_of(local.plain, local.subkeys.values()))
         if len(found) < quorum:
-            _, remote = await self._lookup(key_id(key), key, quorum - len(found))
+            _, remote = await self._lookup(key_id(key), key, quorum - len(found), self._known(key, found))
             found.extend(remote)
         newest: dict[str | None, ValueRecord] = {}
         now = time.time()
@@ -220,23 +224,42 @@ class DHTNode:
             held = newest.get(rec.subkey)
             if rec.expiration > now and (held is None or rec.supersedes(held)):
                 newest[rec.subkey] = rec
+        self._seen.pop(key, None)
+        self._seen[key] = list(newest.values())
+        while len(self._seen) > SEEN_KEYS:
+            del self._seen[next(iter(self._seen))]
         return list(newest.values())
+
+    def _known(self, key: str, local: list[list[ValueRecord]]) -> dict[bytes, ValueRecord]:
+        """The live records of `key` this node holds or last read, by signature prefix: a `find_value` names
+        them in `have`, and a replier holding the same record answers its prefix instead of the record."""
+        now = time.time()
+        held = [r for batch in local for r in batch] + self._seen.get(key, [])
+        return {r.signature[:HAVE_BYTES]: r for r in held if r.expiration > now}
 
     # -- lookups ------------------------------------------------------------------------------------------
 
-    async def _lookup(self, target: int, key: str | None, quorum: int) -> tuple[list[NodeInfo], list[list[ValueRecord]]]:
-        """Iterative FIND_NODE (key None) or FIND_VALUE with α RPCs in flight.
+    async def _lookup(
+        self, target: int, key: str | None, quorum: int, known: dict[bytes, ValueRecord] | None = None
+    ) -> tuple[list[NodeInfo], list[list[ValueRecord]]]:
+        """Iterative FIND_NODE (key None) or FIND_VALUE with α RPCs in flight; a FIND_VALUE for a quorum of 2
+        or more (a poll for the latest dictionary) keeps no more in flight than the batches it still needs, so
+        it reads no answer it then throws away. A read for one batch keeps α: its latency is someone's wait.
 
         Ends when the k closest known nodes have all answered, when candidates run out, or, for FIND_VALUE,
-        when `quorum` nodes returned records.
+        when `quorum` nodes returned records. `known`: records a replier may answer by prefix (`_known`).
         """
+        known = known or {}
         k, alpha = self.config.k, self.config.alpha
         candidates = {n.node_id: n for n in self.routing.closest(target, k)}
         answered: set[int] = set()
         failed: set[int] = set()
         values: list[list[ValueRecord]] = []
         pending: dict[asyncio.Task, NodeInfo] = {}
-        op, body = ("find_value", {"key": key}) if key is not None else ("find_node", {"target": _id_bytes(target)})
+        if key is None:
+            op, body = "find_node", {"target": _id_bytes(target)}
+        else:
+            op, body = "find_value", {"key": key, **({"have": sorted(known)[:MAX_HAVE]} if known else {})}
         if target != self.identity.node_id:
             self.routing.touch_bucket_for(target)
         try:
@@ -246,7 +269,8 @@ class DHTNode:
                 if key is not None and len(values) >= quorum:
                     break
                 asked = answered | failed | {pending[t].node_id for t in pending}
-                for n in [n for n in ranked if n.node_id not in asked][: alpha - len(pending)]:
+                width = alpha if key is None or quorum < 2 else min(alpha, quorum - len(values))
+                for n in [n for n in ranked if n.node_id not in asked][: width - len(pending)]:
                     pending[asyncio.create_task(self._rpc(n.url, op, body, n.node_id))] = n
                 if not pending:
                     break
@@ -264,6 +288,7 @@ class DHTNode:
                         if n.node_id != self.identity.node_id and not n.client_mode:
                             candidates.setdefault(n.node_id, n)
                     records = [r for r in reply.get("records", ()) if r.key == key]
+                    records += [known[p] for p in reply.get("same", ()) if p in known]
                     if records:
                         values.append(records)
         finally:
@@ -357,10 +382,14 @@ class DHTNode:
             key = body.get("key")
             if not isinstance(key, str):
                 raise Malformed("find_value needs a string key")
+            have = _have(body.get("have", []))
             held = self.storage.get(key)
             nodes = self.routing.closest(key_id(key), k, exclude={sender.node_id})
             recs = _records_of(held.plain, held.subkeys.values()) if held else []
-            out = {"nodes": [n.to_wire() for n in nodes], "records": [r.to_wire() for r in recs]}
+            same = [r.signature[:HAVE_BYTES] for r in recs if r.signature[:HAVE_BYTES] in have]
+            out = {"nodes": [n.to_wire() for n in nodes],
+                   "records": [r.to_wire() for r in recs if r.signature[:HAVE_BYTES] not in have],
+                   **({"same": same} if same else {})}
         elif op == "store":
             out = {"stored": self._store_many(body.get("records"))}
         else:
@@ -417,6 +446,15 @@ def _target(raw: Any) -> int:
     return int.from_bytes(raw, "big")
 
 
+def _have(raw: Any) -> set[bytes]:
+    """A `have` (or `same`) list: at most `MAX_HAVE` signature prefixes of `HAVE_BYTES` bytes each."""
+    if not isinstance(raw, list) or len(raw) > MAX_HAVE:
+        raise Malformed(f"have must list at most {MAX_HAVE} signature prefixes")
+    if not all(isinstance(p, bytes) and len(p) == HAVE_BYTES for p in raw):
+        raise Malformed(f"each have entry is {HAVE_BYTES} bytes")
+    return set(raw)
+
+
 def _records_of(plain: ValueRecord | None, subkeys: Iterable[ValueRecord]) -> list[ValueRecord]:
     return ([plain] if plain is not None else []) + list(subkeys)
 
@@ -439,6 +477,7 @@ def _decode_reply(reply: Envelope, op: str) -> dict[str, Any]:
         if not isinstance(recs, list) or len(recs) > 10_000:
             raise Malformed("reply records must be a list")
         out["records"] = [ValueRecord.from_wire(r) for r in recs]
+        out["same"] = _have(body.get("same", []))
     if op == "store":
         stored = body.get("stored")
         if not isinstance(stored, list) or not all(s is None or isinstance(s, str) for s in stored):
