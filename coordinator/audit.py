@@ -15,6 +15,7 @@ the counters it sent, and that the update's norm is not far outside the fragment
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from diloco.protocol.envelope import Envelope, parse_header
 from diloco.protocol.errors import ProtocolError
 from diloco.protocol.identity import peer_id_of
 
+from .buffers import BufferPool
 from .fragments import Encoded
 from .merge import Contribution, merge
 from .outer import OuterOptimizer
@@ -61,12 +63,16 @@ class RefusedUpdate(AuditFailed):
 
 def recompute(f: UpdateFields, frames: Sequence[bytes | memoryview], open_frame: Callable[[memoryview], Envelope],
               codec: Codec, numel: int, embedding_numel: int, outer: OuterOptimizer, max_share: float,
-              clip_c: float, momentum: torch.Tensor | None, P: int) -> tuple[torch.Tensor, torch.Tensor | None, float, list[float]]:
+              clip_c: float, momentum: torch.Tensor | None, P: int,
+              take: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, float, list[float]]:
     """(U_ref, b'_ref, scale, norms): the update and momentum that the deltas `frames` (signed delta envelopes, in `f.merged`'s
     order) give from the base version's momentum, by the rule of docs/protocol.md §7.12 with the update's λ.
     `scale` = lr·((1+μ)‖Δ̄‖ + μ²‖b‖), what `matches` measures a difference against; `norms` the clipped norms
     merged (an owner's clipping reference, `MergeResult.norms`). Raises `AuditFailed` when
-    a frame is not the delta the update names."""
+    a frame is not the delta the update names. `momentum` is overwritten by b'_ref; `take` lends the flat
+    fp32 work buffers of `numel` elements (fresh ones when None), as an owner's step borrows them: the deltas
+    are decoded one at a time into one of them, as the merge reads them."""
+    take = take or (lambda: torch.empty(numel, dtype=torch.float32))
     if len(frames) != len(f.merged) or not f.merged:
         raise AuditFailed(f"update {f.new} of fragment {f.p} names {len(f.merged)} deltas, {len(frames)} came")
     contributions = []
@@ -77,15 +83,20 @@ def recompute(f: UpdateFields, frames: Sequence[bytes | memoryview], open_frame:
                 or max(0, f.base.version - d.base.version) != m.staleness \
                 or parse_header(env.header)["payload_digest"] != m.digest:
             raise AuditFailed(f"a delta frame is not the delta of {m.learner[:8]} that update {f.new} names")
-        contributions.append(Contribution(Encoded(codec, d.codec, env.payload).decode(numel), m.tokens, m.steps,
-                                          m.staleness, m.learner))
+        contributions.append(Contribution(functools.partial(_decode_into, Encoded(codec, d.codec, env.payload), numel),
+                                          m.tokens, m.steps, m.staleness, m.learner))
     result = merge(contributions, clip_c=clip_c, embedding_numel=embedding_numel, limit=f.clip,
-                   max_share=max_share, sparse=codec.sparse)
+                   max_share=max_share, sparse=codec.sparse, out=take(), scratch=take())
     merged_norm = l2_norm(result.delta)
-    new_momentum = outer.update_into(result.delta, momentum)  # result.delta is U_ref from here on
-    scale = outer.lr * ((1 + outer.momentum) * merged_norm + outer.momentum**2 * (0.0 if momentum is None
-                                                                                  else l2_norm(momentum)))
+    momentum_norm = 0.0 if momentum is None else l2_norm(momentum)
+    new_momentum = outer.update_into(result.delta, momentum,  # result.delta is U_ref from here on
+                                     out=momentum if momentum is not None else take())
+    scale = outer.lr * ((1 + outer.momentum) * merged_norm + outer.momentum**2 * momentum_norm)
     return result.delta, new_momentum, scale, result.norms
+
+
+def _decode_into(encoded: Encoded, numel: int, out: torch.Tensor | None) -> torch.Tensor:
+    return encoded.decode(numel, out=out)
 
 
 def checkable(f: UpdateFields, frames: Sequence[memoryview], kept: tuple[Version, Encoded | None] | None) -> bool:
@@ -94,9 +105,12 @@ def checkable(f: UpdateFields, frames: Sequence[memoryview], kept: tuple[Version
     return bool(frames) and kept is not None and kept[0] == f.base and f.base.term == f.new.term
 
 
-def matches(published: torch.Tensor, reference: torch.Tensor, scale: float, codec: str) -> bool:
-    """‖published − reference‖ within the codec's tolerance of `scale`."""
-    return l2_norm(published - reference) <= TOLERANCE.get(codec, 0.5) * scale + 1e-30
+def matches(published: torch.Tensor, reference: torch.Tensor, scale: float, codec: str, *,
+            in_place: bool = False) -> bool:
+    """‖published − reference‖ within the codec's tolerance of `scale`; `in_place` leaves the difference in
+    `published` (a work buffer) instead of allocating one."""
+    diff = published.sub_(reference) if in_place else published - reference
+    return l2_norm(diff) <= TOLERANCE.get(codec, 0.5) * scale + 1e-30
 
 
 class UpdateGuard:
@@ -203,8 +217,9 @@ class Auditor:
     def __init__(self, codec: Codec, numel: Callable[[int], int], embedding_numel: Callable[[int], int],
                  outer: OuterOptimizer, max_share: float, clip_c: float, P: int,
                  open_frame: Callable[[memoryview], Envelope], guard: UpdateGuard,
-                 stats: collections.Counter[str] | None = None) -> None:
+                 stats: collections.Counter[str] | None = None, pool: BufferPool | None = None) -> None:
         self.codec, self.numel, self.embedding_numel, self.outer = codec, numel, embedding_numel, outer
+        self.pool = pool or BufferPool(0, keep=0)  # (no pool: a fresh buffer each time)
         self.max_share, self.clip_c, self.P, self.open_frame, self.guard = max_share, clip_c, P, open_frame, guard
         self.stats = collections.Counter() if stats is None else stats  # (the shard's: in /v1/status)
         # p -> the clipped norms of the merges recomputed here: the clipping reference this replica starts
@@ -236,13 +251,25 @@ class Auditor:
         `AuditFailed` (or the `ProtocolError` of a frame or payload that does not open). Counts nothing; also
         what an accusation's evidence is judged by (coordinator/accuse.py)."""
         p, numel = f.p, self.numel(f.p)
-        previous = kept[1].decode(numel) if kept[1] is not None else None
-        ref, ref_momentum, scale, norms = recompute(f, frames, self.open_frame, self.codec, numel,
-                                                    self.embedding_numel(p), self.outer, self.max_share,
-                                                    self.clip_c, previous, self.P)
-        ok = matches(update.decode(numel), ref, scale, self.codec.name)
-        if ok and ref_momentum is not None and momentum is not None:
-            ok = matches(momentum.decode(numel), ref_momentum, scale / self.outer.lr, self.codec.name)
+        lent: list[torch.Tensor] = []  # (fragment-sized work buffers: a fresh one costs page faults, ~4 ms each)
+
+        def take() -> torch.Tensor:
+            lent.append(self.pool.take(numel))
+            return lent[-1]
+
+        try:
+            previous = kept[1].decode(numel, out=take()) if kept[1] is not None else None
+            ref, ref_momentum, scale, norms = recompute(f, frames, self.open_frame, self.codec, numel,
+                                                        self.embedding_numel(p), self.outer, self.max_share,
+                                                        self.clip_c, previous, self.P, take)
+            published = take()
+            ok = matches(update.decode(numel, out=published), ref, scale, self.codec.name, in_place=True)
+            if ok and ref_momentum is not None and momentum is not None:
+                ok = matches(momentum.decode(numel, out=published), ref_momentum, scale / self.outer.lr,
+                             self.codec.name, in_place=True)
+        finally:
+            for buf in lent:
+                self.pool.give(buf)
         if not ok:
             raise AuditFailed(f"update {f.new} of fragment {p} is not the merge of the deltas it names")
         return norms

@@ -60,6 +60,11 @@ class BufferPool:
             if len(self._idle) < self.keep and buf.numel() == self.capacity:
                 self._idle.append(buf)
 
+    def lent(self) -> int:
+        """How many buffers are out (taken, not given back, still referenced)."""
+        with self._lock:
+            return sum(1 for ref, _ in self._lent.values() if ref() is not None)
+
     @contextmanager
     def borrow(self, numel: int) -> Iterator[Tensor]:
         view = self.take(numel)

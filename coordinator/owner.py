@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from diloco.protocol.codecs import Codec, get_codec
+from diloco.protocol.envelope import join_bytes
 from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
 
 from .buffers import BufferPool
@@ -41,8 +42,8 @@ class PendingDelta:
     prefix: bytes = b""  # the delta envelope's header and signature: prefix + payload is the signed frame a
     # replica gets to recompute the merge (coordinator/audit.py)
 
-    def frame(self) -> bytes:
-        return self.prefix + bytes(self.payload) if self.prefix else b""
+    def frame(self) -> bytes | memoryview:
+        return join_bytes(self.prefix, self.payload) if self.prefix else b""
 
 
 @dataclass

@@ -127,9 +127,10 @@ class Replication:
     # -- owner side -----------------------------------------------------------------------------------------
 
     async def replicate(self, p: int, term: int, label: Version, update: Envelope, anchor: torch.Tensor,
-                        momentum: torch.Tensor | None, deltas: Sequence[bytes] = ()) -> set[str] | None:
+                        momentum: torch.Tensor | None,
+                        deltas: Sequence[tuple[bytes, bytes | memoryview]] = ()) -> set[str] | None:
         """Hand version `label` (the update `update`, giving `anchor`, and `momentum`, with the signed frames of
-        the `deltas` it merged, for the replicas to recompute it: coordinator/audit.py) to p's replicas before
+        the `deltas` it merged, each as its (prefix, payload), for the replicas to recompute it: coordinator/audit.py) to p's replicas before
         it is published; returns those that acknowledged (empty: nobody else is alive, `_alone`). None when none
         acknowledged: then the version must not be published yet (if this owner died right after, no live
         peer would hold it, and its successor would publish another version of that number); a silent
@@ -141,11 +142,14 @@ class Replication:
         # (encoded, joined and sealed in worker threads: the loop keeps answering meanwhile)
         mmeta, mbytes = await asyncio.to_thread(self.codec.encode, momentum) if momentum is not None else (None, b"")
         mdigest = await asyncio.to_thread(momentum_digest, mbytes) if momentum is not None else None
-        if len(deltas) > MAX_AUDITED_DELTAS or not all(deltas):
+        if len(deltas) > MAX_AUDITED_DELTAS or not all(prefix for prefix, _ in deltas):
             deltas = ()  # (too many to carry, or one without its frame: not recomputed)
-        payload = await asyncio.to_thread(join_bytes, update.prefix(), update.payload, mbytes, *deltas)
+        # (the frames are joined here, in a worker thread: a copy on the loop would hold the GIL for ~10 ms each)
+        payload = await asyncio.to_thread(join_bytes, update.prefix(), update.payload, mbytes,
+                                          *(part for delta in deltas for part in delta))
         fields = ReplicateFields(p, term, label, False, update.frame_size(), mmeta,
-                                 tuple(len(d) for d in deltas), mdigest).to_fields()
+                                 tuple(len(prefix) + memoryview(body).nbytes for prefix, body in deltas),
+                                 mdigest).to_fields()
 
         silent: set[str] = set()
 

@@ -102,7 +102,7 @@ class Shard:
         self.replication.auditor = Auditor(self.codec, store.numel, lambda p: plan.fragments[p].embedding_numel,
                                            self.outer, spec.max_share, self.settings.clip_c, len(store),
                                            lambda frame: self.verifier.open(frame, fresh=False), sync.guard,
-                                           self.stats)
+                                           self.stats, self.pool)
         self.accusations = Accusations(identity, spec, store, membership, client, server, self.codec,
                                        self.replication.auditor, sync.guard,
                                        lambda key: self.verifier.is_member(key), self._spawn, self.stats)
@@ -332,7 +332,7 @@ class Shard:
                                   pub.clip).to_fields()
             env = await asyncio.to_thread(seal, self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
             replicated = await self.replication.replicate(p, owner.term, pub.new, env, anchor, pub.momentum,
-                                                          [d.frame() for d in pub.batch])
+                                                          [(d.prefix, d.payload) for d in pub.batch])
             if replicated is None:  # replicas in view, none holds it: try again once the view has moved on
                 await asyncio.sleep(self.members.poll_s)  # (the failed replicas are suspects by now)
                 return None

@@ -254,6 +254,7 @@ def test_a_replica_recomputes_an_honest_owners_two_steps_and_refuses_a_tampered_
     import torch
 
     from diloco.coordinator.audit import Auditor
+    from diloco.coordinator.buffers import BufferPool
     from diloco.coordinator.fragments import Encoded
     from diloco.coordinator.outer import OuterOptimizer
     from diloco.coordinator.owner import FragmentOwner, OwnerSettings, PendingDelta
@@ -268,8 +269,9 @@ def test_a_replica_recomputes_an_honest_owners_two_steps_and_refuses_a_tampered_
     o = FragmentOwner(0, n, 0, codec, outer, OwnerSettings(quorum=3, max_share=0.5), term=term,
                       learners={k.peer_id for k in keys})
     verifier = EnvelopeVerifier(run, is_member=lambda key: True, kinds={DELTA})
+    pool = BufferPool(n, keep=2)
     auditor = Auditor(codec, lambda p: n, lambda p: 0, outer, 0.5, 3.0, 1,
-                      lambda frame: verifier.open(frame, fresh=False), UpdateGuard("replica"))
+                      lambda frame: verifier.open(frame, fresh=False), UpdateGuard("replica"), pool=pool)
     g = torch.Generator().manual_seed(0)
     kept, base = (Version(term, 3), None), Version(term, 3)
     for _ in range(2):
@@ -293,6 +295,7 @@ def test_a_replica_recomputes_an_honest_owners_two_steps_and_refuses_a_tampered_
             (Encoded(codec, pub.meta, pub.payload), f, [frames[1], frames[0], frames[2]])]:
             with pytest.raises(AuditFailed):
                 auditor.check(bad_f, bad_update, bad_frames, kept, momentum)
+            assert pool.lent() == 0  # every work buffer of a failed audit is given back too
         o.commit(pub)
         kept, base = (pub.new, momentum), pub.new
         o.pool.give(pub.update)
