@@ -56,6 +56,9 @@ from .wire import (
 log = logging.getLogger(__name__)
 PUSH_CONCURRENCY = 8
 FRAG_RECORD_TTL_S = 3600.0
+# An owner announces a fragment's newest version in the DHT at most this often (the newest one once the time is
+# up): the records serve the watch loop's every 6th look and joiners, while every announcement costs k stores
+FRAG_RECORD_EVERY_S = 10.0
 
 
 class Shard:
@@ -91,6 +94,8 @@ class Shard:
         self.verifier = EnvelopeVerifier(spec.run_id, is_member=spec.is_member, kinds={DELTA, REPLICATE})
         self._wake: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._to_announce: dict[int, Version] = {}  # p -> the newest version of p not announced yet
+        self._announced_at: dict[int, float] = {}  # p -> monotonic time of its last announcement
         self._stepping: set[int] = set()
         self._probing: set[str] = set()
         self.enabled = False  # becomes True once the membership view has been read at least once
@@ -315,8 +320,24 @@ class Shard:
         await self._push(env, exclude=replicated | {self.members.peer_id})
         self.round_s.append(time.monotonic() - t0)
         owner.tracker.observe_sync_time(self.round_s[-1])
-        self._spawn(self.members.dht.store(frag_key(self.spec.run_id, p), FragRecord(pub.new).encode(),
-                                           time.time() + FRAG_RECORD_TTL_S, subkey=self.members.peer_id))
+        self._announce(p, pub.new)
+
+    def _announce(self, p: int, version: Version) -> None:
+        """Store FragRecord(version) of p in the DHT: now, or once FRAG_RECORD_EVERY_S has passed since the
+        last announcement of p, then the newest version published meanwhile."""
+        pending = p in self._to_announce
+        self._to_announce[p] = max(version, self._to_announce.get(p, version))
+        if not pending:
+            self._spawn(self._announce_when_due(p))
+
+    async def _announce_when_due(self, p: int) -> None:
+        wait = self._announced_at.get(p, float("-inf")) + FRAG_RECORD_EVERY_S - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        version = self._to_announce.pop(p)
+        self._announced_at[p] = time.monotonic()
+        await self.members.dht.store(frag_key(self.spec.run_id, p), FragRecord(version).encode(),
+                                     time.time() + FRAG_RECORD_TTL_S, subkey=self.members.peer_id)
 
     async def _publish(self, p: int, owner: FragmentOwner, pub: Publication) -> tuple[Envelope, set[str]] | None:
         """Certify Θ^(new), hand it to the replicas, then commit the store's anchor and the owner's state in

@@ -1,9 +1,13 @@
 """Learners in one process (one swarm thread each): the fragment protocol end to end, fast."""
 
+import time
+
 import pytest
 import torch
 
 from diloco.coordinator.fragments import anchor_digest
+from diloco.coordinator.version import Version
+from diloco.coordinator.wire import FragRecord
 from diloco.node import swarm as swarm_mod
 
 from .swarm_utils import LocalLearner, fast_config, tiny_run, wait_until
@@ -362,3 +366,45 @@ def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_l
                 terms.setdefault(version, set()).add(term)
         forks = {v: t for v, t in terms.items() if len(t) > 1}
         assert not forks, f"fragment {p} forked (the deltas merged into the lost branch are gone): {forks}"
+
+
+@pytest.mark.timeout(120)
+def test_an_owner_announces_each_fragment_in_the_dht_at_most_once_per_interval_and_its_newest_version_last(
+        monkeypatch, fleet):
+    from diloco.coordinator import shard as shard_mod
+
+    every = 1.5
+    monkeypatch.setattr(shard_mod, "FRAG_RECORD_EVERY_S", every)
+    learners = fleet(tiny_run(fragments=2, quorum=1, inner_steps=2), 2)
+    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 2 for ll in learners), 20, "2 live members")
+    stores: list[tuple[int, Version, float]] = []  # (p, version, monotonic time) of each FragRecord stored
+
+    def record(dht) -> None:
+        store = dht.store
+
+        async def recording_store(key, value, expires, *, subkey=None):
+            if ":frag:" in key:
+                stores.append((int(key.rsplit(":", 1)[1]), FragRecord.decode(value).version, time.monotonic()))
+            return await store(key, value, expires, subkey=subkey)
+
+        dht.store = recording_store
+
+    for ll in learners:
+        record(ll.learner.swarm.members.dht)
+    store = learners[0].learner.swarm.store
+    before = [store.label(p).version for p in range(2)]
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 4.0:  # versions come far faster than one per `every`
+        for ll in learners:
+            ll.train(2)
+
+    def last_announced(p: int) -> Version | None:
+        return max((v for q, v, _ in stores if q == p), default=None)
+
+    wait_until(lambda: all(last_announced(p) == ll.learner.swarm.store.label(p) for p in range(2) for ll in learners),
+               every + 10, "the newest version of both fragments announced")
+    published = sum(store.label(p).version - before[p] for p in range(2))
+    for p in range(2):
+        times = [t for q, _, t in stores if q == p]
+        assert all(b - a >= every - 0.05 for a, b in zip(times, times[1:])), f"fragment {p}: {times}"
+    assert published >= 3 * len(stores) > 0, (published, stores)
