@@ -1,5 +1,6 @@
 """Numba kernels of the `topk` codec's sparse form (docs/protocol.md §6, `topk`): chunked top-k selection,
-a per-chunk codebook of magnitudes, and the bit-packed entries.
+a per-chunk codebook of magnitudes, and the bit-packed entries (each index as the Rice-coded gap since the one
+before it: about log2(chunk / k) + 2 bits instead of log2(chunk)).
 
 The same contract as `_kernels.py`: single-threaded, GIL released, flat arrays the caller sized and checked,
 no allocation beyond scratch bounded by one chunk (at most 2^16 elements), strict IEEE arithmetic. The decoder
@@ -103,16 +104,15 @@ def _select(a: np.ndarray, kk: int, hist: np.ndarray, cand: np.ndarray, sel: np.
 
 
 @_jit
-def topk_encode(x: np.ndarray, chunk_log2: int, k: int, bits: int, books: np.ndarray, stream: np.ndarray) -> bool:
+def topk_encode(x: np.ndarray, chunk_log2: int, k: int, bits: int, books: np.ndarray, stream: np.ndarray) -> int:
     """Sparse form of `x` (float32): per chunk of 2^chunk_log2 elements, its min(k, n) largest magnitudes, each as
-    an entry `index | code << chunk_log2` of chunk_log2 + bits bits (code = level | sign << (bits - 1)), and
-    2^(bits-1) codebook magnitudes (bfloat16 bits): the means of the chosen magnitudes in equal-width groups
-    between the smallest and the largest; each value takes the nearest one (the lower on a tie). False if `x`
-    holds inf or NaN."""
+    an entry: the gap since the entry before it, Rice-coded (`rice_param`), then its code of `bits` bits
+    (code = level | sign << (bits - 1)); and 2^(bits-1) codebook magnitudes (bfloat16 bits): the means of the
+    chosen magnitudes in equal-width groups between the smallest and the largest; each value takes the nearest
+    one (the lower on a tie). Returns the stream bytes written, or -1 if `x` holds inf or NaN."""
     n_all = x.size
     chunk = 1 << chunk_log2
     levels = 1 << (bits - 1)
-    width = chunk_log2 + bits
     xi = x.view(np.int32)
     hist = np.empty(256, np.int32)
     cand = np.empty(chunk, np.int32)
@@ -134,7 +134,7 @@ def topk_encode(x: np.ndarray, chunk_log2: int, k: int, bits: int, books: np.nda
         kk = min(k, a.size)
         guess = _select(a, kk, hist, cand, sel, guess)
         if guess < 0:
-            return False
+            return -1
         lo_mag, hi_mag = np.float32(np.inf), np.float32(0.0)
         for t in range(kk):
             mags[t] = abs(x[lo + sel[t]])
@@ -151,6 +151,8 @@ def topk_encode(x: np.ndarray, chunk_log2: int, k: int, bits: int, books: np.nda
             mean = np.float32(sums[g] / counts[g]) if counts[g] else lo_mag + step * (np.float32(g) + np.float32(0.5))
             books[j * levels + g] = _f32_to_bf16_bits(mean, scratch)
             table[g] = _bits_to_f32(np.int32(books[j * levels + g]) << 16, scratch)
+        r = rice_param(a.size, kk)
+        prev = -1
         for t in range(kk):
             i = sel[t]
             v = x[lo + i]
@@ -161,30 +163,55 @@ def topk_encode(x: np.ndarray, chunk_log2: int, k: int, bits: int, books: np.nda
                 if abs(mag - table[g]) < abs(mag - table[best]):
                     best = g
             code = best | ((1 << (bits - 1)) if v < 0 else 0)
-            acc |= np.uint64(i | (code << chunk_log2)) << np.uint64(nacc)
-            nacc += width
-            while nacc >= 8:
-                stream[pos] = np.uint8(acc & np.uint64(0xFF))
-                acc >>= np.uint64(8)
-                nacc -= 8
-                pos += 1
+            gap = i - prev - 1
+            prev = i
+            q = gap >> r
+            while q > 0:  # the quotient in unary: q one bits (then the zero below)
+                w = min(q, 32)
+                acc, nacc, pos = _put(acc, nacc, pos, stream, (1 << w) - 1, w)
+                q -= w
+            rest = ((gap & ((1 << r) - 1)) | (code << r)) << 1  # the zero, the r low bits of the gap, the code
+            acc, nacc, pos = _put(acc, nacc, pos, stream, rest, 1 + r + bits)
     if nacc > 0:
         stream[pos] = np.uint8(acc & np.uint64(0xFF))
-    return True
+        pos += 1
+    return pos
+
+
+@_jit
+def rice_param(n: int, entries: int) -> int:
+    """The Rice parameter r of a chunk of `n` elements holding `entries` entries: floor(log2(n / entries)), so
+    that the mean gap's quotient is about one."""
+    r = 0
+    while (entries << (r + 1)) <= n:
+        r += 1
+    return r
+
+
+@_jit
+def _put(acc: np.uint64, nacc: int, pos: int, stream: np.ndarray, value: int, width: int):
+    """Append the `width` (<= 32) low bits of `value` to the LSB-first stream; whole bytes go out."""
+    acc |= np.uint64(value) << np.uint64(nacc)
+    nacc += width
+    while nacc >= 8:
+        stream[pos] = np.uint8(acc & np.uint64(0xFF))
+        acc >>= np.uint64(8)
+        nacc -= 8
+        pos += 1
+    return acc, nacc, pos
 
 
 @_jit
 def topk_decode(books: np.ndarray, stream: np.ndarray, n_all: int, chunk_log2: int, k: int, bits: int,
                 out: np.ndarray, write: bool) -> int:
-    """Read the entries of a sparse form (checked: `books` below 0x7F80, lengths exact); with `write`, `out`
-    (float32, n_all) := 0 except entry values ±codebook[level]. Returns 0, or 1 for an index that is not above
-    the one before it in its chunk or not inside the chunk, or 2 for a non-zero padding bit."""
+    """Read the entries of a sparse form (checked: `books` below 0x7F80, `stream` at most its largest size); with
+    `write`, `out` (float32, n_all) := 0 except entry values ±codebook[level]. Returns 0, or 1 for an entry
+    whose gap takes it past the end of its chunk, 2 for a non-zero padding bit or a byte after the last entry's,
+    3 for a stream that ends inside an entry. Never reads past `stream`."""
     chunk = 1 << chunk_log2
     levels = 1 << (bits - 1)
-    width = chunk_log2 + bits
-    index_mask = np.uint64(chunk - 1)
-    entry_mask = np.uint64((1 << width) - 1)
     sign_bit = 1 << (bits - 1)
+    size = stream.size
     table = np.empty(levels, np.float32)
     scratch = np.empty(1, np.int32)
     if write:
@@ -197,23 +224,44 @@ def topk_decode(books: np.ndarray, stream: np.ndarray, n_all: int, chunk_log2: i
     for j in range(nchunks):
         lo = j << chunk_log2
         n = min(chunk, n_all - lo)
+        kk = min(k, n)
+        r = rice_param(n, kk)
+        need = r + bits
+        low_mask = np.uint64((1 << r) - 1)
         for g in range(levels):
             table[g] = _bits_to_f32(np.int32(books[j * levels + g]) << 16, scratch)
         prev = -1
-        for _ in range(min(k, n)):
-            while nacc < width:
+        for _ in range(kk):
+            q = 0
+            while True:  # the quotient: one bits up to a zero
+                if nacc == 0:
+                    if pos >= size:
+                        return 3
+                    acc = np.uint64(stream[pos])
+                    nacc = 8
+                    pos += 1
+                bit = acc & np.uint64(1)
+                acc >>= np.uint64(1)
+                nacc -= 1
+                if bit == 0:
+                    break
+                q += 1
+                if prev + 1 + (q << r) >= n:
+                    return 1
+            while nacc < need:
+                if pos >= size:
+                    return 3
                 acc |= np.uint64(stream[pos]) << np.uint64(nacc)
                 nacc += 8
                 pos += 1
-            entry = acc & entry_mask
-            acc >>= np.uint64(width)
-            nacc -= width
-            i = np.int64(entry & index_mask)
-            if i <= prev or i >= n:
+            i = prev + 1 + (q << r) + np.int64(acc & low_mask)
+            code = np.int64((acc >> np.uint64(r)) & np.uint64((1 << bits) - 1))
+            acc >>= np.uint64(need)
+            nacc -= need
+            if i >= n:
                 return 1
             prev = i
-            code = np.int64(entry >> np.uint64(chunk_log2))
             v = table[code & (levels - 1)]
             if write:
                 out[lo + i] = -v if code & sign_bit else v
-    return 2 if acc != 0 else 0
+    return 2 if acc != 0 or pos != size else 0

@@ -239,6 +239,17 @@ def payload_view(data: Any, name: str, expected: int) -> memoryview:
     return view
 
 
+def payload_view_within(data: Any, name: str, least: int, most: int) -> memoryview:
+    """`data` as a flat byte view of `least` to `most` bytes (a variable-length payload, bounded before any work)."""
+    try:
+        view = memoryview(data).cast("B")
+    except (TypeError, ValueError):
+        raise Malformed(f"{name} payload must be contiguous bytes") from None
+    if not least <= len(view) <= most:
+        raise Malformed(f"{name} payload is {len(view)} bytes; its meta allows {least} to {most}")
+    return view
+
+
 def output_tensor(shape: list[int], numel: int, out: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray]:
     """The tensor to decode into (shaped as `shape`) and its flat float32 numpy view."""
     if out is None:

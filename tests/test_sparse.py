@@ -29,22 +29,39 @@ def gaussian(n: int, seed: int = 0) -> torch.Tensor:
 
 
 def reference_decode(meta: dict, payload: bytes) -> torch.Tensor:
-    """docs/protocol.md §6 `topk`, read literally: codebooks, then LSB-first entries of log2(chunk) + bits bits."""
+    """docs/protocol.md §6 `topk`, read literally: codebooks, then LSB-first entries, each the Rice-coded gap
+    since the index before it (r = floor(log2(n / e)): ones, a zero, r bits) and a code of `bits` bits."""
     numel = int(np.prod(meta["shape"], dtype=np.int64)) if meta["shape"] else 1
     chunk, k, bits = meta["chunk"], meta["k"], meta["bits"]
-    c, levels = chunk.bit_length() - 1, 1 << (bits - 1)
+    levels = 1 << (bits - 1)
     nchunks = -(-numel // chunk)
     books = np.frombuffer(payload, np.uint16, count=levels * nchunks)
-    stream = int.from_bytes(payload[2 * levels * nchunks :], "little")
+    tail = payload[2 * levels * nchunks :]
+    stream = int.from_bytes(tail, "little")
     out = np.zeros(numel, np.float32)
     at = 0
+
+    def take(width: int) -> int:
+        nonlocal at
+        value = (stream >> at) & ((1 << width) - 1)
+        at += width
+        return value
+
     for j in range(nchunks):
-        for _ in range(min(k, numel - j * chunk)):
-            entry = (stream >> at) & ((1 << (c + bits)) - 1)
-            at += c + bits
-            index, code = entry & (chunk - 1), entry >> c
+        n = min(chunk, numel - j * chunk)
+        e = min(k, n)
+        r = int(np.floor(np.log2(n / e)))
+        index = -1
+        for _ in range(e):
+            q = 0
+            while take(1):
+                q += 1
+            index += 1 + (q << r) + take(r)
+            code = take(bits)
+            assert index < n
             value = np.array([int(books[j * levels + (code & (levels - 1))]) << 16], np.uint32).view(np.float32)[0]
             out[j * chunk + index] = -value if code >> (bits - 1) else value
+    assert len(tail) == -(-at // 8) and stream >> at == 0  # the stream ends with the last entry's byte
     return torch.from_numpy(out).view(meta["shape"])
 
 
@@ -58,7 +75,7 @@ def test_sparse_form_keeps_the_k_largest_magnitudes_of_each_chunk_with_their_sig
     x = gaussian(numel, seed=numel)
     meta, payload = codec.encode_delta(x)
     meta = msgpack.unpackb(msgpack.packb(meta))  # meta survives the wire
-    assert len(payload) == codec.delta_size(numel) == sparse_size(numel, chunk, k, bits)
+    assert len(payload) <= codec.delta_size(numel) == sparse_size(numel, chunk, k, bits)
     y = codec.decode(meta, payload)
     assert torch.equal(y, reference_decode(meta, bytes(payload)))
     for lo in range(0, numel, chunk):
@@ -103,9 +120,29 @@ def test_ties_go_to_the_lowest_index_and_zeros_decode_to_zero() -> None:
     assert torch.equal(codec.decode(*codec.encode_delta(torch.zeros(5000))), torch.zeros(5000))
 
 
-def test_sparse_form_of_the_default_codec_is_18x_below_int8() -> None:
-    assert TOPK.delta_size(1 << 20) == 256 * 228  # 4 codebook bytes + 128 entries of 14 bits per 4096 elements
+def test_sparse_form_of_the_default_codec_is_18x_below_int8_at_most_and_about_29x_below_it_on_gaussian_data() -> None:
+    # 4 codebook bytes + 128 entries of at most 1 + 5 + 2 bits + 3968 >> 5 quotient bits per 4096 elements
+    assert TOPK.delta_size(1 << 20) == 256 * 4 + 256 * (128 * 8 + 124) // 8
     assert get_codec("int8").encoded_size(1 << 20) / TOPK.delta_size(1 << 20) > 18
+    _, payload = TOPK.encode_delta(gaussian(1 << 20))
+    assert 28 < get_codec("int8").encoded_size(1 << 20) / len(payload) < 30  # gaps of ~32: ~7 bits per index
+
+
+@FUZZ
+@given(log2_chunk=st.integers(1, 12), k_frac=st.floats(0.0, 1.0), bits=st.integers(1, 8),
+       numel=st.integers(1, 9000), where=st.sampled_from(["start", "end", "spread", "random"]))
+def test_no_encoding_is_longer_than_the_size_the_meta_allows(log2_chunk, k_frac, bits, numel, where) -> None:
+    """The largest size bounds every encoding (the encoder writes into a buffer of that size), whichever
+    coordinates are kept: bunched at the start or the end of each chunk (one long gap), or spread out."""
+    chunk = 1 << log2_chunk
+    k = max(1, min(chunk, round(k_frac * chunk)))
+    pos = torch.arange(numel) % chunk
+    x = {"start": -pos.float(), "end": pos.float(), "spread": (pos % max(chunk // k, 1) == 0).float(),
+         "random": gaussian(numel, seed=numel)}[where] + 1.0
+    codec = TopkCodec(chunk, k, bits)
+    meta, payload = codec.encode_delta(x)
+    assert len(payload) <= codec.delta_size(numel)
+    assert torch.equal(codec.decode(meta, payload), reference_decode(meta, bytes(payload)))
 
 
 def test_encode_gives_the_dense_form_int8_layout_under_the_topk_name() -> None:
@@ -156,7 +193,7 @@ def test_error_feedback_delivers_what_the_sparse_form_drops() -> None:
         x = gaussian(n, seed=step) * 0.01 + 0.002 * torch.linspace(-1, 1, n)  # noise around a steady direction
         sum_in += x
         meta, payload = feedback.encode("w", x)
-        assert len(payload) == TOPK.delta_size(n)  # error feedback sends the sparse form
+        assert "chunk" in meta and len(payload) <= TOPK.delta_size(n)  # error feedback sends the sparse form
         sum_ef += TOPK.decode(meta, payload)
         sum_plain += TOPK.decode(*TOPK.encode_delta(x))
         assert torch.allclose(sum_in - sum_ef, feedback.residual("w"), atol=1e-4)
@@ -208,7 +245,8 @@ def small() -> tuple[dict, bytes]:
         ({"bits": 0}, "'bits'"),
         ({"bits": 9}, "'bits'"),
         ({"block": 512}, "one form only"),
-        ({"shape": [130]}, "payload is"),
+        ({"shape": [130]}, "past the end of its chunk"),  # (other chunk sizes: the gaps read otherwise)
+        ({"shape": [100_000]}, "payload is"),
         ({"shape": "100"}, "shape"),
     ],
 )
@@ -228,10 +266,11 @@ def test_meta_without_either_form_is_refused() -> None:
         TOPK.decode([1, 2], payload)  # type: ignore[arg-type]
 
 
-def test_the_payload_length_must_be_exact() -> None:
+def test_the_payload_length_is_bounded_by_the_meta_and_exactly_what_the_entries_take() -> None:
     meta, payload = small()
-    for bad in (payload[:-1], payload + b"\0", b""):
-        with pytest.raises(Malformed, match="payload is"):
+    for bad, message in ((payload[:-1], "ends inside an entry"), (payload + b"\0", "nothing follow"),
+                         (b"", "payload is"), (payload + bytes(64), "payload is")):
+        with pytest.raises(Malformed, match=message):
             TOPK.decode(meta, bad)
 
 
@@ -243,41 +282,45 @@ def test_codebook_magnitudes_must_be_finite_and_non_negative(book: int) -> None:
         TOPK.check(meta, bad)
 
 
-def _with_entries(meta: dict, payload: bytes, entries: list[tuple[int, int]]) -> bytes:
-    """`payload` with its entries replaced by (index, code) pairs, packed as docs/protocol.md §6 says."""
+def _with_entries(payload: bytes, chunks: list[list[tuple[int, int]]], pad: int = 0) -> bytes:
+    """`small()`'s payload with its entries replaced by (gap, code) pairs per chunk, packed as docs/protocol.md §6
+    says (r = 4 in the 64-element chunk, 3 in the 36-element one), then `pad` as the padding bits."""
     books = 2 * 2 * 2  # 2 chunks x 2 levels x 2 bytes
-    stream = 0
-    for n, (index, code) in enumerate(entries):
-        stream |= (index | code << 6) << (8 * n)  # 6 index bits + 2 value bits: one byte per entry
-    return payload[:books] + stream.to_bytes(len(payload) - books, "little")
+    stream, at = 0, 0
+    for r, entries in zip((4, 3), chunks, strict=True):
+        for gap, code in entries:
+            q = gap >> r
+            stream |= ((1 << q) - 1 | (gap & ((1 << r) - 1)) << (q + 1) | code << (q + 1 + r)) << at
+            at += q + 1 + r + 2
+    stream |= pad << at
+    return payload[:books] + stream.to_bytes(-(-at // 8), "little")
 
 
-@pytest.mark.parametrize(
-    "entries",
-    [
-        [(0, 0), (0, 0), (1, 0), (2, 0), (0, 0), (1, 0), (2, 0), (3, 0)],  # a repeated index
-        [(3, 0), (2, 0), (1, 0), (0, 0), (0, 0), (1, 0), (2, 0), (3, 0)],  # not increasing
-        [(0, 0), (1, 0), (2, 0), (3, 0), (0, 0), (1, 0), (2, 0), (36, 0)],  # past the last chunk's 36 elements
-    ],
-)
-def test_entries_must_be_increasing_and_inside_their_chunk(entries) -> None:
+GOOD = [[(0, 1), (0, 2), (0, 3), (60, 0)], [(0, 0), (0, 0), (0, 0), (32, 3)]]  # indices 0 1 2 63 and 0 1 2 35
+
+
+def test_entries_decode_at_their_gaps_and_one_past_its_chunk_is_refused() -> None:
     meta, payload = small()
-    good = [(0, 1), (1, 2), (2, 3), (63, 0), (0, 0), (1, 0), (2, 0), (35, 3)]
-    assert TOPK.check(meta, _with_entries(meta, payload, good)) == 100
-    y = TOPK.decode(meta, _with_entries(meta, payload, good))
-    assert torch.equal(y, reference_decode(meta, _with_entries(meta, payload, good)))
-    with pytest.raises(Malformed, match="index"):
-        TOPK.check(meta, _with_entries(meta, payload, entries))
-    with pytest.raises(Malformed, match="index"):
-        TOPK.decode(meta, _with_entries(meta, payload, entries))
+    good = _with_entries(payload, GOOD)
+    assert TOPK.check(meta, good) == 100
+    y = TOPK.decode(meta, good)
+    assert torch.equal(y, reference_decode(meta, good))
+    assert torch.nonzero(y).flatten().tolist() == [0, 1, 2, 63, 64, 65, 66, 99]
+    for bad in ([[(0, 1), (0, 2), (0, 3), (61, 0)], GOOD[1]],  # index 64 of a 64-element chunk
+                [GOOD[0], [(0, 0), (0, 0), (0, 0), (33, 3)]],  # index 36 of the last chunk's 36
+                [[(61, 0), (0, 0), (0, 0), (0, 0)], GOOD[1]]):  # 61, 62, 63, then 64
+        for read in (TOPK.check, TOPK.decode):
+            with pytest.raises(Malformed, match="past the end of its chunk"):
+                read(meta, _with_entries(payload, bad))
 
 
 def test_padding_bits_after_the_last_entry_must_be_zero() -> None:
-    meta, payload = TopkCodec(4096, 3, 2).encode_delta(gaussian(10))  # 3 entries x 14 bits = 42: 6 padding bits
-    payload = bytearray(payload)
-    payload[-1] |= 0x80
+    meta, payload = small()
+    bits = sum(gap // 16 + 7 for gap, _ in GOOD[0]) + sum(gap // 8 + 6 for gap, _ in GOOD[1])
+    assert bits % 8, "the example needs padding bits"
+    assert TOPK.check(meta, _with_entries(payload, GOOD)) == 100
     with pytest.raises(Malformed, match="padding"):
-        TOPK.check(meta, bytes(payload))
+        TOPK.check(meta, _with_entries(payload, GOOD, pad=1))
 
 
 def test_size_limits_are_checked_before_anything_is_allocated() -> None:
