@@ -303,3 +303,33 @@ async def test_a_poll_for_the_latest_dictionary_asks_no_more_nodes_than_its_quor
         assert asked == ["find_value", "find_value"]  # the local copy and 2 replies make the quorum of 3
     finally:
         await stop_all(nodes)
+
+
+async def test_a_store_reuses_its_keys_last_lookup_until_a_target_fails_to_take_it(client, monkeypatch):
+    asked: list[str] = []
+    handle = DHTNode._handle
+
+    async def counting(self, env, request):
+        asked.append(env.fields.get("op"))
+        return await handle(self, env, request)
+
+    monkeypatch.setattr(DHTNode, "_handle", counting)  # before the nodes bind it to their routes
+    nodes = await swarm(5, client)
+    try:
+        writer, exp = nodes[0], time.time() + 60  # (a newer record of a subkey expires later)
+        assert await writer.store("m", b"1", exp + 1, subkey=writer.identity.peer_id) == 5
+        assert "find_node" in asked
+        asked.clear()
+        assert await writer.store("m", b"2", exp + 2, subkey=writer.identity.peer_id) == 5
+        assert asked == ["store"] * 4  # the same 4 targets, no lookup
+        await nodes[4].stop()
+        asked.clear()
+        assert await writer.store("m", b"3", exp + 3, subkey=writer.identity.peer_id) == 4  # one target is gone
+        assert "find_node" not in asked
+        asked.clear()
+        await writer.store("m", b"4", exp + 4, subkey=writer.identity.peer_id)
+        assert "find_node" in asked  # after a target failed, the next store looks the key up again
+        for n in nodes[1:4]:
+            assert await n.get("m") == {writer.identity.peer_id: (b"4", exp + 4)}
+    finally:
+        await stop_all(nodes[:4])
