@@ -333,3 +333,25 @@ async def test_a_store_reuses_its_keys_last_lookup_until_a_target_fails_to_take_
             assert await n.get("m") == {writer.identity.peer_id: (b"4", exp + 4)}
     finally:
         await stop_all(nodes[:4])
+
+
+async def test_a_store_looks_its_key_up_again_once_a_closer_node_is_met(client, monkeypatch):
+    asked: list[str] = []
+    handle = DHTNode._handle
+
+    async def counting(self, env, request):
+        asked.append(env.fields.get("op"))
+        return await handle(self, env, request)
+
+    monkeypatch.setattr(DHTNode, "_handle", counting)
+    first = await DHTNode.start(client=client)
+    nodes = [first]
+    try:
+        exp = time.time() + 60
+        assert await first.store("m", b"1", exp + 1, subkey=first.identity.peer_id) == 1  # alone: no targets
+        nodes.append(await DHTNode.start(client=client, bootstrap=[first.url]))  # met through its bootstrap
+        asked.clear()
+        assert await first.store("m", b"2", exp + 2, subkey=first.identity.peer_id) == 2
+        assert await nodes[1].get("m") == {first.identity.peer_id: (b"2", exp + 2)}
+    finally:
+        await stop_all(nodes)

@@ -188,7 +188,7 @@ class DHTNode:
         """Store an already signed record (ours, or one we relay) on the k closest nodes."""
         target = key_id(record.key)
         found = self._targets.get(target)
-        if found is not None and time.monotonic() - found[0] < STORE_TARGETS_S:
+        if found is not None and time.monotonic() - found[0] < STORE_TARGETS_S and self._still_closest(target, found[1]):
             nodes = found[1]
         else:
             nodes, _ = await self._lookup(target, None, 0)
@@ -320,6 +320,12 @@ class DHTNode:
         """
         self._track(task)
         task.add_done_callback(_ignore_outcome)
+
+    def _still_closest(self, target: int, nodes: list[NodeInfo]) -> bool:
+        """Whether `nodes` (a lookup's k closest) still hold every node of the routing table's k closest to
+        `target`: no node met since is closer (in a swarm that grows, a new node is met at its first RPC)."""
+        held = {n.node_id for n in nodes}
+        return all(n.node_id in held for n in self.routing.closest(target, self.config.k))
 
     def _among_closest(self, target: int, nodes: list[NodeInfo]) -> bool:
         if self.client_mode:
