@@ -34,6 +34,20 @@ async def client():
     await c.close()
 
 
+@pytest.fixture
+def asked(monkeypatch) -> list[str]:
+    """The op of every DHT request any node of the test handles, in order."""
+    ops: list[str] = []
+    handle = DHTNode._handle
+
+    async def counting(self, env, request):
+        ops.append(env.fields.get("op"))
+        return await handle(self, env, request)
+
+    monkeypatch.setattr(DHTNode, "_handle", counting)  # before the nodes bind it to their routes
+    return ops
+
+
 async def stop_all(nodes):
     await asyncio.gather(*(n.stop() for n in nodes))
 
@@ -285,15 +299,7 @@ async def test_a_malformed_have_list_is_refused_and_changes_nothing(client, have
         await stop_all(nodes)
 
 
-async def test_a_poll_for_the_latest_dictionary_asks_no_more_nodes_than_its_quorum_needs(client, monkeypatch):
-    asked: list[str] = []
-    handle = DHTNode._handle
-
-    async def counting(self, env, request):
-        asked.append(env.fields.get("op"))
-        return await handle(self, env, request)
-
-    monkeypatch.setattr(DHTNode, "_handle", counting)  # before the nodes bind it to their routes
+async def test_a_poll_for_the_latest_dictionary_asks_no_more_nodes_than_its_quorum_needs(client, asked):
     nodes = await swarm(4, client)
     try:
         for n in nodes:
@@ -305,15 +311,7 @@ async def test_a_poll_for_the_latest_dictionary_asks_no_more_nodes_than_its_quor
         await stop_all(nodes)
 
 
-async def test_a_store_reuses_its_keys_last_lookup_until_a_target_fails_to_take_it(client, monkeypatch):
-    asked: list[str] = []
-    handle = DHTNode._handle
-
-    async def counting(self, env, request):
-        asked.append(env.fields.get("op"))
-        return await handle(self, env, request)
-
-    monkeypatch.setattr(DHTNode, "_handle", counting)  # before the nodes bind it to their routes
+async def test_a_store_reuses_its_keys_last_lookup_until_a_target_fails_to_take_it(client, asked):
     nodes = await swarm(5, client)
     try:
         writer, exp = nodes[0], time.time() + 60  # (a newer record of a subkey expires later)
@@ -335,15 +333,7 @@ async def test_a_store_reuses_its_keys_last_lookup_until_a_target_fails_to_take_
         await stop_all(nodes[:4])
 
 
-async def test_a_store_looks_its_key_up_again_once_a_closer_node_is_met(client, monkeypatch):
-    asked: list[str] = []
-    handle = DHTNode._handle
-
-    async def counting(self, env, request):
-        asked.append(env.fields.get("op"))
-        return await handle(self, env, request)
-
-    monkeypatch.setattr(DHTNode, "_handle", counting)
+async def test_a_store_looks_its_key_up_again_once_a_closer_node_is_met(client, asked):
     first = await DHTNode.start(client=client)
     nodes = [first]
     try:
