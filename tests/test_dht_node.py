@@ -310,38 +310,3 @@ async def test_a_poll_for_the_latest_dictionary_asks_no_more_nodes_than_its_quor
     finally:
         await stop_all(nodes)
 
-
-async def test_a_store_reuses_its_keys_last_lookup_until_a_target_fails_to_take_it(client, asked):
-    nodes = await swarm(5, client)
-    try:
-        writer, exp = nodes[0], time.time() + 60  # (a newer record of a subkey expires later)
-        assert await writer.store("m", b"1", exp + 1, subkey=writer.identity.peer_id) == 5
-        assert "find_node" in asked
-        asked.clear()
-        assert await writer.store("m", b"2", exp + 2, subkey=writer.identity.peer_id) == 5
-        assert asked == ["store"] * 4  # the same 4 targets, no lookup
-        await nodes[4].stop()
-        asked.clear()
-        assert await writer.store("m", b"3", exp + 3, subkey=writer.identity.peer_id) == 4  # one target is gone
-        assert "find_node" not in asked
-        asked.clear()
-        await writer.store("m", b"4", exp + 4, subkey=writer.identity.peer_id)
-        assert "find_node" in asked  # after a target failed, the next store looks the key up again
-        for n in nodes[1:4]:
-            assert await n.get("m") == {writer.identity.peer_id: (b"4", exp + 4)}
-    finally:
-        await stop_all(nodes[:4])
-
-
-async def test_a_store_looks_its_key_up_again_once_a_closer_node_is_met(client, asked):
-    first = await DHTNode.start(client=client)
-    nodes = [first]
-    try:
-        exp = time.time() + 60
-        assert await first.store("m", b"1", exp + 1, subkey=first.identity.peer_id) == 1  # alone: no targets
-        nodes.append(await DHTNode.start(client=client, bootstrap=[first.url]))  # met through its bootstrap
-        asked.clear()
-        assert await first.store("m", b"2", exp + 2, subkey=first.identity.peer_id) == 2
-        assert await nodes[1].get("m") == {first.identity.peer_id: (b"2", exp + 2)}
-    finally:
-        await stop_all(nodes)

@@ -40,9 +40,6 @@ MAX_PINGS = 64  # liveness pings of full buckets' oldest contacts in flight at o
 HAVE_BYTES = 8  # a record named in `have`/`same` by its signature's first bytes (docs/protocol.md §5.5)
 MAX_HAVE = 10_000
 SEEN_KEYS = 256  # keys whose last `get_records` result is kept, to name in the next lookup's `have`
-# A store reuses the k closest nodes its key's last lookup found for this long (while every one of them took the
-# last store): a member re-stores its record every 10 s, and each lookup cost as much as the store itself
-STORE_TARGETS_S = 30.0
 register_kind("dht", MAX_REQUEST)
 register_kind("dht.reply", MAX_REPLY)
 
@@ -93,7 +90,6 @@ class DHTNode:
         self._replies = EnvelopeVerifier(network_id, kinds={"dht.reply"})
         self._own: dict[tuple[str, str | None], ValueRecord] = {}
         self._seen: dict[str, list[ValueRecord]] = {}  # key -> the records its last get returned (`_known`)
-        self._targets: dict[int, tuple[float, list[NodeInfo]]] = {}  # key id -> (when, the k closest found)
         self._tasks: set[asyncio.Task] = set()
         self._pinging: set[int] = set()  # node ids with a liveness ping in flight (see `_saw`)
         self._maintenance: asyncio.Task | None = None
@@ -187,14 +183,7 @@ class DHTNode:
     async def store_record(self, record: ValueRecord) -> int:
         """Store an already signed record (ours, or one we relay) on the k closest nodes."""
         target = key_id(record.key)
-        found = self._targets.get(target)
-        if found is not None and time.monotonic() - found[0] < STORE_TARGETS_S and self._still_closest(target, found[1]):
-            nodes = found[1]
-        else:
-            nodes, _ = await self._lookup(target, None, 0)
-            self._targets[target] = (time.monotonic(), nodes)
-            while len(self._targets) > SEEN_KEYS:
-                del self._targets[next(iter(self._targets))]
+        nodes, _ = await self._lookup(target, None, 0)
         stored = 0
         if self._among_closest(target, nodes):
             with contextlib.suppress(ProtocolError):
@@ -207,8 +196,6 @@ class DHTNode:
         for r in results:
             if isinstance(r, dict) and r["stored"] and r["stored"][0] is None:
                 stored += 1
-        if stored < len(nodes) + self._among_closest(target, nodes):  # one did not take it: look again next time
-            self._targets.pop(target, None)
         return stored
 
     async def get(self, key: str, *, latest: bool = False) -> bytes | dict[str, tuple[bytes, float]] | None:
@@ -320,12 +307,6 @@ class DHTNode:
         """
         self._track(task)
         task.add_done_callback(_ignore_outcome)
-
-    def _still_closest(self, target: int, nodes: list[NodeInfo]) -> bool:
-        """Whether `nodes` (a lookup's k closest) still hold every node of the routing table's k closest to
-        `target`: no node met since is closer (in a swarm that grows, a new node is met at its first RPC)."""
-        held = {n.node_id for n in nodes}
-        return all(n.node_id in held for n in self.routing.closest(target, self.config.k))
 
     def _among_closest(self, target: int, nodes: list[NodeInfo]) -> bool:
         if self.client_mode:
