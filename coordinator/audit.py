@@ -46,7 +46,8 @@ NORM_WINDOW = 32  # accepted update norms kept per fragment (and run-wide, as RM
 NORM_WARMUP = 5  # accepted updates before a fragment's own history is used
 NORM_K = 20.0  # an update norm above k × the median of its history is refused (momentum warm-up: ~5×)
 ANCHOR_FRACTION = 10.0  # an update this many times larger than the anchor it moves is refused, history or not
-SENT_KEPT = 2  # this learner's recent deltas kept per fragment (an owner may merge the one before the last)
+SENT_KEPT = 32  # this learner's recent deltas kept per fragment (digest and counters): a new owner's first round
+# may merge one sent several deltas ago (they pile up while it waits to learn the newest version)
 
 
 class AuditFailed(ProtocolError):

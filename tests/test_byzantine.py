@@ -221,6 +221,16 @@ def test_a_learner_refuses_an_update_naming_a_delta_it_did_not_send_and_then_dis
         g.check_signer(0, Version(1, 3), "owner")
 
 
+def test_an_update_merging_an_older_delta_of_this_learner_is_not_taken_for_a_misnamed_one():
+    # a new owner holds its first step back until it knows the newest version, and the deltas it then merges
+    # may be some sends old: seen in a sparse run, where a learner sent p's deltas every 2 s
+    g = UpdateGuard("me")
+    for n in range(8):
+        g.sent_delta(0, bytes([n]) * 32, 10, 100)
+    g.check(update_fields(Version(1, 1), [Merged("me", bytes([0]) * 32, 10, 100, 0)]), "owner", 1.0, 1.0, 4)
+    assert not g.distrusted
+
+
 def test_the_norm_window_refuses_an_outlier_only_after_its_warm_up():
     g = UpdateGuard("me")
     g.check(update_fields(Version(1, 1)), "owner", 50.0, 10.0, 4)  # no history: only the anchor bound
