@@ -387,9 +387,7 @@ class DHTNode:
             nodes = self.routing.closest(key_id(key), k, exclude={sender.node_id})
             recs = _records_of(held.plain, held.subkeys.values()) if held else []
             same = [r.signature[:HAVE_BYTES] for r in recs if r.signature[:HAVE_BYTES] in have]
-            # a holder answers with what it holds, Kademlia style: the lookup needs contacts only from the
-            # nodes that hold nothing, on its way toward the holders (who are the k closest to the key)
-            out = {"nodes": [] if recs else [n.to_wire() for n in nodes],
+            out = {"nodes": [n.to_wire() for n in nodes],
                    "records": [r.to_wire() for r in recs if r.signature[:HAVE_BYTES] not in have],
                    **({"same": same} if same else {})}
         elif op == "store":
