@@ -84,7 +84,7 @@ def recompute(f: UpdateFields, frames: Sequence[bytes | memoryview], open_frame:
                 or max(0, f.base.version - d.base.version) != m.staleness \
                 or parse_header(env.header)["payload_digest"] != m.digest:
             raise AuditFailed(f"a delta frame is not the delta of {m.learner[:8]} that update {f.new} names")
-        contributions.append(Contribution(functools.partial(_decode_into, Encoded(codec, d.codec, env.payload), numel),
+        contributions.append(Contribution(functools.partial(Encoded(codec, d.codec, env.payload).decode, numel),
                                           m.tokens, m.steps, m.staleness, m.learner))
     result = merge(contributions, clip_c=clip_c, embedding_numel=embedding_numel, limit=f.clip,
                    max_share=max_share, sparse=codec.sparse, out=take(), scratch=take())
@@ -94,10 +94,6 @@ def recompute(f: UpdateFields, frames: Sequence[bytes | memoryview], open_frame:
                                      out=momentum if momentum is not None else take())
     scale = outer.lr * ((1 + outer.momentum) * merged_norm + outer.momentum**2 * momentum_norm)
     return result.delta, new_momentum, scale, result.norms
-
-
-def _decode_into(encoded: Encoded, numel: int, out: torch.Tensor | None) -> torch.Tensor:
-    return encoded.decode(numel, out=out)
 
 
 def checkable(f: UpdateFields, frames: Sequence[memoryview], kept: tuple[Version, Encoded | None] | None) -> bool:

@@ -130,8 +130,8 @@ class Replication:
                         momentum: torch.Tensor | None,
                         deltas: Sequence[tuple[bytes, bytes | memoryview]] = ()) -> set[str] | None:
         """Hand version `label` (the update `update`, giving `anchor`, and `momentum`, with the signed frames of
-        the `deltas` it merged, each as its (prefix, payload), for the replicas to recompute it: coordinator/audit.py) to p's replicas before
-        it is published; returns those that acknowledged (empty: nobody else is alive, `_alone`). None when none
+        the `deltas` it merged, each as its (prefix, payload), for the replicas to recompute it:
+        coordinator/audit.py) to p's replicas before it is published; returns those that acknowledged (empty: nobody else is alive, `_alone`). None when none
         acknowledged: then the version must not be published yet (if this owner died right after, no live
         peer would hold it, and its successor would publish another version of that number); a silent
         replica is a suspect, or is retried once it answers."""

@@ -71,7 +71,7 @@ def sparse_size(numel: int, chunk: int, k: int, bits: int) -> int:
         return 0
     last = numel - (nchunks - 1) * chunk
     entry_bits = (nchunks - 1) * _entry_bits_max(chunk, min(k, chunk), bits) + _entry_bits_max(last, min(k, last), bits)
-    return 2 * (1 << (bits - 1)) * nchunks + -(-entry_bits // 8)
+    return books_size(numel, chunk, bits) + -(-entry_bits // 8)
 
 
 def books_size(numel: int, chunk: int, bits: int) -> int:

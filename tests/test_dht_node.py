@@ -34,20 +34,6 @@ async def client():
     await c.close()
 
 
-@pytest.fixture
-def asked(monkeypatch) -> list[str]:
-    """The op of every DHT request any node of the test handles, in order."""
-    ops: list[str] = []
-    handle = DHTNode._handle
-
-    async def counting(self, env, request):
-        ops.append(env.fields.get("op"))
-        return await handle(self, env, request)
-
-    monkeypatch.setattr(DHTNode, "_handle", counting)  # before the nodes bind it to their routes
-    return ops
-
-
 async def stop_all(nodes):
     await asyncio.gather(*(n.stop() for n in nodes))
 
@@ -297,7 +283,15 @@ async def test_a_malformed_have_list_is_refused_and_changes_nothing(client, have
         await stop_all(nodes)
 
 
-async def test_a_poll_for_the_latest_dictionary_asks_no_more_nodes_than_its_quorum_needs(client, asked):
+async def test_a_poll_for_the_latest_dictionary_asks_no_more_nodes_than_its_quorum_needs(client, monkeypatch):
+    asked: list[str] = []
+    handle = DHTNode._handle
+
+    async def counting(self, env, request):
+        asked.append(env.fields.get("op"))
+        return await handle(self, env, request)
+
+    monkeypatch.setattr(DHTNode, "_handle", counting)  # before the nodes bind it to their routes
     nodes = await swarm(4, client)
     try:
         for n in nodes:
@@ -307,4 +301,3 @@ async def test_a_poll_for_the_latest_dictionary_asks_no_more_nodes_than_its_quor
         assert asked == ["find_value", "find_value"]  # the local copy and 2 replies make the quorum of 3
     finally:
         await stop_all(nodes)
-

@@ -145,6 +145,15 @@ def test_no_encoding_is_longer_than_the_size_the_meta_allows(log2_chunk, k_frac,
     assert torch.equal(codec.decode(meta, payload), reference_decode(meta, bytes(payload)))
 
 
+def test_the_size_bound_and_the_kernels_take_the_same_rice_parameter() -> None:
+    from diloco.protocol import _topk_kernels as TK
+    from diloco.protocol.sparse import rice_param
+
+    for n in range(1, 300):
+        for entries in range(1, n + 1):
+            assert rice_param(n, entries) == TK.rice_param(n, entries), (n, entries)
+
+
 def test_encode_gives_the_dense_form_int8_layout_under_the_topk_name() -> None:
     x = gaussian(3000)
     meta, payload = TOPK.encode(x)
