@@ -22,7 +22,7 @@ from aiohttp import web
 
 from diloco.protocol.codecs import Codec, get_codec
 from diloco.protocol.envelope import Envelope, EnvelopeVerifier, join_bytes, seal
-from diloco.protocol.errors import Malformed, ProtocolError, StaleVersion
+from diloco.protocol.errors import BaseOutdated, Malformed, ProtocolError, StaleVersion
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, PeerUnreachable, RemoteError, TransportError
 
@@ -50,6 +50,16 @@ from .wire import (
 
 log = logging.getLogger(__name__)
 FULL_RETRY_S = 0.25  # the first wait before a full replication that may pass is tried again (doubling, to 1 s)
+
+
+class ReplicaAhead(Exception):
+    """A replica answered 412: it holds a version of the fragment newer than the one the owner stepped from
+    (a version of another owner the takeover did not see). Publishing would fork the fragment; the owner
+    reaches that version and steps again."""
+
+    def __init__(self, p: int, peers: set[str]) -> None:
+        super().__init__(f"fragment {p}: {', '.join(sorted(x[:8] for x in peers))} hold a newer version")
+        self.p, self.peers = p, peers
 
 
 def fp32_copy(momentum: torch.Tensor) -> Encoded:
@@ -88,6 +98,9 @@ class Replication:
         # hand-over, or what it sent this replica when it was behind), not a copy decoded from the run's codec
         self.handed: dict[int, Version] = {}
         self.terms_seen = [0] * len(store)  # p -> the highest term an owner replicated to us
+        # p -> (the base, the replicas that answered 412 to a version built on it): once the owner has reached
+        # the newest version it can find and still steps from that base, the same claim is not believed again
+        self._ahead: dict[int, tuple[Version, set[str]]] = {}
         self._alone_since: float | None = None  # when the owner last found no other live member (`_alone`)
         # (p, version, momentum) of a full replication: a hand-over that may arrive after we took p over
         self.on_handover: Callable[[int, Version, Encoded], None] = lambda p, label, momentum: None
@@ -138,6 +151,9 @@ class Replication:
         replicas = [r for r in self.members.roles(p)[1:] if r != self.members.peer_id]
         if not replicas:
             return self._alone()
+        base = UpdateFields.parse(update.fields, len(self.store)).base  # (the version the owner stepped from)
+        claimed = self._ahead.get(p, (None, set()))
+        disbelieved = claimed[1] if claimed[0] == base else set()
         self._alone_since = None
         # (encoded, joined and sealed in worker threads: the loop keeps answering meanwhile)
         mmeta, mbytes = await asyncio.to_thread(self.codec.encode, momentum) if momentum is not None else (None, b"")
@@ -152,6 +168,7 @@ class Replication:
                                  mdigest).to_fields()
 
         silent: set[str] = set()
+        ahead: set[str] = set()
 
         async def one(peer: str) -> str | None:
             url = self.members.url(peer)
@@ -164,8 +181,14 @@ class Replication:
                 return peer
             except RemoteError as e:
                 if e.status == 409 and momentum is not None:  # the replica is behind: send it everything
-                    full = await self.send_full(p, peer, term, momentum, update.prefix(), anchor)
-                    return peer if full else None
+                    try:
+                        full = await self.send_full(p, peer, term, momentum, update.prefix(), anchor, raises=True)
+                    except RemoteError as full_e:
+                        e, full = full_e, False
+                    if full:
+                        return peer
+                if e.status == 412 and peer not in disbelieved:
+                    ahead.add(peer)
                 self.stats[f"replicate_refused_{e.status}"] += 1
             except TransportError as e:
                 self.members.failed(peer, e)
@@ -173,6 +196,10 @@ class Replication:
             return None
 
         acked = {r for r in await asyncio.gather(*(one(r) for r in replicas)) if r is not None}
+        if ahead:  # (even if another replica acknowledged: the version would fork p)
+            self._ahead[p] = (base, ahead | disbelieved)
+            raise ReplicaAhead(p, ahead)
+        self._ahead.pop(p, None)
         if not acked and silent:
             self.stats["publications_held_for_a_replica"] += 1
             return None
@@ -198,12 +225,13 @@ class Replication:
         return set()
 
     async def send_full(self, p: int, peer: str, term: int, momentum: torch.Tensor, cert: bytes,
-                        anchor: torch.Tensor, retry_until: float | None = None) -> bool:
+                        anchor: torch.Tensor, retry_until: float | None = None, raises: bool = False) -> bool:
         """Full state to `peer`: `cert` (the certificate of the version), its fp32 anchor and fp32 momentum,
         a consistent snapshot the caller took. True once `peer` answered 200 (the acknowledgement): it checked
         the certificate and the anchor's digest, installed the version if it held an older one, and keeps the
         momentum, or took it as the fragment's owner (a hand-over). With `retry_until` (a `time.monotonic()`
-        time), a failure that may pass (no answer, 429, 5xx) is tried again until then; else one attempt."""
+        time), a failure that may pass (no answer, 429, 5xx) is tried again until then; else one attempt. With
+        `raises`, the peer's refusal (`RemoteError`) is raised instead of returning False."""
         url = self.members.url(peer)
         if url is None or not cert:
             return False
@@ -225,6 +253,8 @@ class Replication:
                     not isinstance(e, RemoteError) or e.status == 429 or e.status >= 500)
                 if retry_until is None or not passing or time.monotonic() + delay >= retry_until:
                     log.info("full replication of fragment %d to %s failed: %s", p, peer[:8], e)
+                    if raises and isinstance(e, RemoteError):
+                        raise
                     return False
                 self.stats["full_replication_retries"] += 1
             await asyncio.sleep(delay)
@@ -251,13 +281,14 @@ class Replication:
             update = self.sync.verifier.open(head, fresh=False)  # (views, not copies: see `join_bytes`)
             if update.sender != env.sender:
                 raise Unauthorized("a replication carries its sender's own update")
+            uf = UpdateFields.parse(update.fields, len(self.store))
+            if uf.p != f.p:
+                raise Malformed("a replication carries an update of another fragment")
+            self._check_base(uf)
             if (f.mdigest is not None) != bool(f.momentum) or (f.mdigest is not None
                                                                and await asyncio.to_thread(momentum_digest, rest) != f.mdigest):
                 raise Malformed("replicate mdigest is not the SHA-256 of its momentum bytes")
             if self.auditor is not None:
-                uf = UpdateFields.parse(update.fields, len(self.store))
-                if uf.p != f.p:
-                    raise Malformed("a replication carries an update of another fragment")
                 kept = self.kept.get(f.p)
                 try:
                     await asyncio.to_thread(
@@ -282,8 +313,11 @@ class Replication:
             cert = self.sync.verifier.certificate(bytes(head))
             uf = UpdateFields.parse(cert.fields, len(self.store))
             self.sync.authorize(uf, cert.sender, pushed=False)
+            if uf.p != f.p or uf.new != f.label:
+                raise Malformed("full replication does not match its certificate")
+            self._check_base(uf)
             anchor = torch.frombuffer(rest[: 4 * numel], dtype=torch.float32)
-            if uf.p != f.p or uf.new != f.label or await asyncio.to_thread(anchor_digest, anchor) != uf.digest:
+            if await asyncio.to_thread(anchor_digest, anchor) != uf.digest:
                 raise Malformed("full replication does not match its certificate")
             if f.label > self.store.label(f.p):
                 self.store.install(f.p, anchor, f.label, bytes(head))
@@ -311,6 +345,16 @@ class Replication:
         if f.full and momentum is not None:
             self.on_handover(f.p, f.label, momentum)
         return b"ok"
+
+    def _check_base(self, f: UpdateFields) -> None:
+        """Refuse (412) to hold a version whose base is older than a version of p this replica holds, unless it
+        holds that very version: the owner missed a version (another owner's, during a takeover or while member
+        views differed), and the version it replicates would fork p and lose what that one merged."""
+        held = self.store.label(f.p)
+        if held > f.base and held != f.new:
+            self.stats["replications_base_outdated"] += 1
+            raise BaseOutdated(f"this replica holds fragment {f.p} at {held}, newer than the base {f.base} of "
+                               f"{f.new}: reach it first")
 
     async def _serve_momentum(self, request: web.Request) -> web.Response:
         """GET /v1/momentum/{p}?label=T.V: the replicated momentum of that version, if this peer holds it, in

@@ -35,7 +35,7 @@ from .membership import Membership
 from .outer import OuterOptimizer
 from .owner import FragmentOwner, OwnerSettings, PendingDelta, Publication
 from .plan import FragmentPlan
-from .replication import Replication, fp32_copy
+from .replication import ReplicaAhead, Replication, fp32_copy
 from .runspec import RunSpec
 from .sync import STATEFUL_POST_FLOOR_S, FragmentSync
 from .takeover import Takeover
@@ -59,6 +59,7 @@ FRAG_RECORD_TTL_S = 3600.0
 # An owner announces a fragment's newest version in the DHT at most this often (the newest one once the time is
 # up): the records serve the watch loop's every 6th look and joiners, while every announcement costs k stores
 FRAG_RECORD_EVERY_S = 10.0
+REACH_ON_DELTA_EVERY_S = 5.0  # at most this often, a delta based on a version newer than ours starts a reach
 
 
 class Shard:
@@ -97,6 +98,7 @@ class Shard:
         self._to_announce: dict[int, Version] = {}  # p -> the newest version of p not announced yet
         self._announced_at: dict[int, float] = {}  # p -> monotonic time of its last announcement
         self._stepping: set[int] = set()
+        self._behind_at: dict[int, float] = {}  # p -> monotonic time of the last reach a delta asked for (`_behind`)
         self._probing: set[str] = set()
         self.enabled = False  # becomes True once the membership view has been read at least once
         self._live_seen: set[str] = set()  # the live learners at the last `reassign`
@@ -132,6 +134,8 @@ class Shard:
                 self._probing.add(roles[0])
                 self._spawn(self._probe(roles[0]))
             raise Unavailable(f"not the owner of fragment {f.p}; the owner is {roles[0][:8] if roles else 'unknown'}")
+        if f.base > self.store.label(f.p):  # (the delta is refused below, as stale: its learner resyncs meanwhile)
+            self._behind(f.p, owner, peer_id_of(env.sender))
         pending = PendingDelta(peer_id_of(env.sender), f.base, f.steps, f.tokens, f.codec,
                                memoryview(env.payload).toreadonly(), parse_header(env.header)["payload_digest"],
                                env.prefix())
@@ -142,6 +146,23 @@ class Shard:
             raise
         self.stats["deltas_accepted"] += 1
         self._poke()
+
+    def _behind(self, p: int, owner: FragmentOwner, sender: str) -> None:
+        """`sender` sent a delta based on a version of p newer than ours: a version the takeover did not see
+        (its holder did not answer then). Stepping now would fork p; reach it from that learner first. One
+        request, at most once per REACH_ON_DELTA_EVERY_S: a member naming bases that do not exist holds no
+        step back for long."""
+        now = time.monotonic()
+        if owner.held_back or now - self._behind_at.get(p, float("-inf")) < REACH_ON_DELTA_EVERY_S:
+            return
+        self._behind_at[p] = now
+        self.stats["reached_after_a_newer_delta"] += 1
+        self._reach_before_stepping(p, owner, ask=sender)
+
+    def _reach_before_stepping(self, p: int, owner: FragmentOwner, ask: str | None = None) -> None:
+        if self.owners.get(p) is owner:
+            owner.held_back = True
+            self._spawn(self._reach_newest([p], ask))
 
     async def _on_delta(self, env: Envelope, request: web.Request) -> bytes:
         if self.draining.active and await self.draining.forward(env):  # (handed over: to its new owner)
@@ -195,9 +216,9 @@ class Shard:
                 held[p] = (owner.label, fp32_copy(owner.momentum))
         return held
 
-    async def _reach_newest(self, taken: list[int]) -> None:
+    async def _reach_newest(self, taken: list[int], ask: str | None = None) -> None:
         try:
-            await self.takeover.reach_newest(taken)
+            await self.takeover.reach_newest(taken, ask)
         finally:
             self._poke()
 
@@ -352,8 +373,14 @@ class Shard:
             fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta, tuple(pub.learners), tuple(pub.merged),
                                   pub.clip).to_fields()
             env = await asyncio.to_thread(seal, self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
-            replicated = await self.replication.replicate(p, owner.term, pub.new, env, anchor, pub.momentum,
-                                                          [(d.prefix, d.payload) for d in pub.batch])
+            try:
+                replicated = await self.replication.replicate(p, owner.term, pub.new, env, anchor, pub.momentum,
+                                                              [(d.prefix, d.payload) for d in pub.batch])
+            except ReplicaAhead as e:  # the version would fork p: reach the newer one, then step from it
+                log.info("%s; reaching it before the next step", e)
+                self.stats["publications_refused_base_outdated"] += 1
+                self._reach_before_stepping(p, owner)
+                return None
             if replicated is None:  # replicas in view, none holds it: try again once the view has moved on
                 await asyncio.sleep(self.members.poll_s)  # (the failed replicas are suspects by now)
                 return None

@@ -344,13 +344,14 @@ class FragmentSync:
                     self.journal.fragment(reader.cert, reader.anchor)
         return True
 
-    async def held_above(self, ps: list[int], *, suspect: bool = True,
-                         unanswered: set[str] | None = None) -> dict[int, tuple[Version, list[str]]]:
+    async def held_above(self, ps: list[int], *, suspect: bool = True, unanswered: set[str] | None = None,
+                         only: set[str] | None = None) -> dict[int, tuple[Version, list[str]]]:
         """For each fragment of `ps` that a live member holds at a version above ours: the highest such version
-        and the members that hold it (GET /v1/versions of every live member at once, 2 s each; a member that
-        does not answer is passed over, and suspected unless `suspect` is False: the periodic watch, which
-        must not make a busy member look dead)."""
-        members = self.members.servers()
+        and the members that hold it (GET /v1/versions of every live member, or of those in `only`, at once,
+        2 s each; a member that does not answer is passed over, and suspected unless `suspect` is False: the
+        periodic watch, which must not make a busy member look dead)."""
+        live = self.members.servers()
+        members = [m for m in live if only is None or m.peer_id in only]
 
         async def ask(m) -> tuple[str, list[Version] | None]:
             try:
@@ -366,7 +367,7 @@ class FragmentSync:
 
         best: dict[int, tuple[Version, list[str]]] = {}
         answers = await asyncio.gather(*(ask(m) for m in members))
-        self.reported = {**{m.peer_id: self.reported[m.peer_id] for m in members if m.peer_id in self.reported},
+        self.reported = {**{m.peer_id: self.reported[m.peer_id] for m in live if m.peer_id in self.reported},
                          **{peer: versions for peer, versions in answers if versions is not None}}
         for peer, versions in answers:
             for p in ps if versions is not None else ():

@@ -107,11 +107,14 @@ class Takeover:
             return None
         return momentum
 
-    async def reach_newest(self, taken: list[int]) -> None:
-        """Bring the fragments just `taken` over to the highest version any live member holds, then let their
-        owners step (they are held back until then)."""
+    async def reach_newest(self, taken: list[int], ask: str | None = None) -> None:
+        """Bring the fragments just `taken` over to the highest version any live member holds (with `ask`:
+        that member, asked once), then let their owners step (they are held back until then)."""
         try:
-            above = await self._held_above(taken)
+            if ask is None:
+                above = await self._held_above(taken)
+            else:  # (one request: a member that claims a version and does not answer holds no step back long)
+                above = await self.sync.held_above(taken, suspect=False, only={ask})
             for p, (target, holders) in sorted(above.items()):
                 owner = self.owners.get(p)
                 if owner is None:

@@ -48,6 +48,13 @@ class StaleVersion(ProtocolError):
     status = 409
 
 
+class BaseOutdated(ProtocolError):
+    """A replica holds a version of the fragment newer than the base the owner stepped from: publishing would
+    fork the fragment, so the owner must reach that version first."""
+
+    status = 412
+
+
 class Replayed(ProtocolError):
     """A (sender, nonce) pair already seen inside the replay window."""
 

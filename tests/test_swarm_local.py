@@ -303,11 +303,12 @@ async def _release(shard, p: int, roles: list[str]) -> None:
     shard._release(p, roles)
 
 
-@pytest.mark.timeout(120)
-def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_learner(fleet, monkeypatch):
+def owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum: int = 2):
+    """Three learners; the owner of p publishes one more version that reaches a witness (not p's replica, and
+    not the DHT) and is killed. Returns (the replica, which takes p over, the witness, p, that version)."""
     # the watch reads only the DHT here (which never hears of that version): the takeover must find it itself
     monkeypatch.setattr(swarm_mod, "DHT_WATCH_EVERY", 1)
-    genesis = tiny_run(fragments=3, quorum=2)
+    genesis = tiny_run(fragments=3, quorum=quorum)
     learners = fleet(genesis, 3)
     wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 3 for ll in learners), 20, "3 live members")
     for _ in range(2):
@@ -342,7 +343,6 @@ def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_l
     for ll in (gone, witness):
         ll.train(10)  # one more version of p (quorum 2): the witness gets it, the replica does not
     wait_until(lambda: witness.learner.labels[p] > before, 30, "the witness to hold the last version")
-    last = witness.learner.labels[p]
     assert replica.learner.labels[p] == before, "the replica was not supposed to see it"
 
     async def killed() -> None:  # no goodbye: the record outlives the process for a while
@@ -350,11 +350,11 @@ def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_l
 
     gone.learner.swarm.members.withdraw = killed
     gone.learner.close()
-    taken = replica.learner.swarm.shard
-    wait_until(lambda: p in taken.owners and not getattr(taken.owners[p], "held_back", False), 20, "the replica to take p over")
-    wait_until(lambda: replica.learner.swarm.store.label(p) >= last, 10, "the new owner to reach the last version")
-    assert taken.stats["takeover_reached_newest"] >= 1
-    live = [replica, witness]
+    return replica, witness, p, witness.learner.labels[p]
+
+
+def assert_built_on_without_a_fork(live, p: int, last: Version) -> None:
+    """Both learners train on to a version of p above `last`, and neither ever held two terms of one version."""
     for ll in live:
         ll.train(10)
     wait_until(lambda: all(ll.learner.labels[p].version > last.version for ll in live), 30,
@@ -366,6 +366,64 @@ def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_l
                 terms.setdefault(version, set()).add(term)
         forks = {v: t for v, t in terms.items() if len(t) > 1}
         assert not forks, f"fragment {p} forked (the deltas merged into the lost branch are gone): {forks}"
+
+
+@pytest.mark.timeout(120)
+def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_learner(fleet, monkeypatch):
+    replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch)
+    taken = replica.learner.swarm.shard
+    wait_until(lambda: p in taken.owners and not getattr(taken.owners[p], "held_back", False), 20, "the replica to take p over")
+    wait_until(lambda: replica.learner.swarm.store.label(p) >= last, 10, "the new owner to reach the last version")
+    assert taken.stats["takeover_reached_newest"] >= 1
+    assert_built_on_without_a_fork([replica, witness], p, last)
+
+
+def miss_the_first_comparison(ll: LocalLearner) -> list:
+    """The next takeover of `ll` compares versions with nobody (its members were busy for 2 s, say)."""
+    sync = ll.learner.swarm.sync
+    held_above, missed = sync.held_above, []
+
+    async def first_answer_missed(ps, **kwargs):
+        if not missed:
+            missed.append(ps)
+            return {}
+        return await held_above(ps, **kwargs)
+
+    sync.held_above = first_answer_missed
+    return missed
+
+
+@pytest.mark.timeout(120)
+def test_an_owner_sent_a_delta_based_on_a_version_it_missed_reaches_that_version_before_stepping(
+        fleet, monkeypatch):
+    replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch)
+    missed = miss_the_first_comparison(replica)
+    taken = replica.learner.swarm.shard
+    wait_until(lambda: p in taken.owners and missed, 20, "the replica to take p over, missing the witness")
+    assert replica.learner.swarm.store.label(p) < last
+    for ll in (replica, witness):
+        ll.train(10)  # the witness's delta is based on `last`, which the new owner does not hold
+    wait_until(lambda: replica.learner.swarm.store.label(p) >= last, 20, "the new owner to reach the last version")
+    assert taken.stats["reached_after_a_newer_delta"] >= 1
+    assert_built_on_without_a_fork([replica, witness], p, last)
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_holding_a_version_the_owner_missed_refuses_the_fork_and_the_owner_reaches_it(
+        fleet, monkeypatch):
+    # quorum 1: the new owner steps on its own delta, from the version before `last`; the witness, its replica
+    # now, refuses to hold that version (412) and the owner reaches `last` first
+    replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum=1)
+    missed = miss_the_first_comparison(replica)
+    taken = replica.learner.swarm.shard
+    taken._behind = lambda p, owner: None  # (no witness delta tells the owner either: the replica alone must)
+    wait_until(lambda: p in taken.owners and missed, 20, "the replica to take p over, missing the witness")
+    assert replica.learner.swarm.store.label(p) < last
+    replica.train(10)
+    wait_until(lambda: replica.learner.swarm.store.label(p) >= last, 20, "the new owner to reach the last version")
+    assert taken.stats["publications_refused_base_outdated"] >= 1
+    assert witness.learner.swarm.shard.stats["replications_base_outdated"] >= 1
+    assert_built_on_without_a_fork([replica, witness], p, last)
 
 
 @pytest.mark.timeout(120)
