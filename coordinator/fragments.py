@@ -27,7 +27,9 @@ from diloco.protocol.errors import BadSignature, Malformed, StaleVersion
 from .rebase import Changes, InFlight, RebaseLedger, VersionLog
 from .version import GENESIS, Version
 
-KEEP_UPDATES = 1  # update frames kept per fragment for catch-up (each costs 1 B/param at int8)
+# Update frames kept per fragment for catch-up: the newest ones, as many as fit in 1 byte per parameter (one
+# int8 update; ~9 sparse ones), at least one and at most KEEP_UPDATES
+KEEP_UPDATES = 16
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class Held:
     cert: bytes = b""  # envelope prefix (header + signature) of the update whose result is `anchor`
     generation: int = 0  # bumped by every write of `anchor` (see `FragmentStore.read`)
     updates: deque[tuple[Version, Version, bytes]] = field(default_factory=lambda: deque(maxlen=KEEP_UPDATES))
+    kept_bytes: int = 0  # Σ of len(frame) over `updates`
 
 
 class FragmentStore:
@@ -157,10 +160,20 @@ class FragmentStore:
             held.label, held.cert = new, cert
             self.versions.record(p, new)
             if self.keep_frames is None or p in self.keep_frames:
-                held.updates.append((base, new, frame))
+                self._keep(held, base, new, frame)
             if self.rebase.moved(p, move if move is not None else update.reshape(-1).clone(),
                                  merged_ours=self.self_id in contributors):
                 self.in_flight.settle(p)
+
+    @staticmethod
+    def _keep(held: Held, base: Version, new: Version, frame: bytes) -> None:
+        """Keep the frame of update base → new; drop the oldest ones past the budget (`KEEP_UPDATES`)."""
+        if len(held.updates) == held.updates.maxlen:
+            held.kept_bytes -= len(held.updates[0][2])
+        held.updates.append((base, new, frame))
+        held.kept_bytes += len(frame)
+        while len(held.updates) > 1 and held.kept_bytes > held.anchor.numel():
+            held.kept_bytes -= len(held.updates.popleft()[2])
 
     def read(self, p: int) -> tuple[Tensor, Version, int]:
         """(anchor, label, generation) of fragment p, for reading the anchor outside the lock: only the swarm's
@@ -195,6 +208,7 @@ class FragmentStore:
             self.unset.discard(p)
             self.versions.record(p, label)
             held.updates.clear()
+            held.kept_bytes = 0
             self.rebase.installed(p)  # θ[p] is overwritten: the progress it held is gone
             self.in_flight.settle(p)
 

@@ -33,7 +33,7 @@ from .distrust import Distrust
 from .fragments import KEEP_UPDATES, DigestMismatch, Encoded, FragmentStore, Move, anchor_digest
 from .membership import Membership
 from .runspec import RunSpec
-from .version import Version
+from .version import GENESIS, Version
 from .wire import (
     DELTA,
     ROUTE_DELTA,
@@ -109,6 +109,8 @@ class FragmentSync:
         # Set by the shard: a delta for a fragment this peer owns is handed over without the network.
         self.on_local_delta: Callable[[Envelope], None] | None = None
         self.journal: VersionJournal | None = None  # set by the learner when it keeps checkpoints
+        # a joiner's Θ^(0) of fragment p, from its model (set by the learner while it joins): `_from_genesis`
+        self.genesis: Callable[[int], torch.Tensor] | None = None
         # the checks of an owner's work this learner can make (coordinator/audit.py)
         self.guard = UpdateGuard(membership.peer_id, lambda peer: self.distrust.distrusted(peer), self.stats)
         self.distrust = Distrust(self)
@@ -242,7 +244,8 @@ class FragmentSync:
 
     async def _catch_up(self, p: int, sources: list[str], target: Version | None = None) -> bool:
         """Fetch the versions of p we miss from the first holder that has them: the kept updates when the gap is
-        small (`target` within KEEP_UPDATES versions, or unknown), else the whole fragment. With a `target`, a
+        small (`target` within KEEP_UPDATES versions, or unknown) and the holder keeps them, else the whole
+        fragment. With a `target`, a
         holder that is itself behind it is passed over for the next."""
         holders = [s for s in dict.fromkeys([*sources, *self.members.roles(p)]) if s != self.members.peer_id]
 
@@ -253,7 +256,8 @@ class FragmentSync:
             url = self.members.url(peer)
             if url is None:
                 continue
-            small_gap = p not in self.store.unset and (  # (updates need values to apply to)
+            small_gap = p not in self.store.unset and (  # (updates need values to apply to; a holder that
+                # does not keep them all answers 404)
                 target is None or target.version - self.store.label(p).version <= KEEP_UPDATES)
             try:
                 try:
@@ -276,21 +280,55 @@ class FragmentSync:
             self.members.failed(peer, e)
 
     async def _fetch_updates(self, p: int, url: str) -> bool:
-        at = self.store.label(p)
+        frames = await self._kept_updates(p, url, self.store.label(p))
+        if frames is None:
+            return False
+        await self._apply_frames(frames)
+        self.stats["caught_up_by_updates"] += 1
+        return True
+
+    async def _kept_updates(self, p: int, url: str, after: Version) -> list[bytes] | None:
+        """GET /v1/updates/{p}?after=...: the holder's kept update frames from `after` on; None on 404."""
         try:
-            cap = updates_body_max(self.codec.encoded_size(self.store.numel(p)), KEEP_UPDATES)
-            body = await self.client.request("GET", url, f"/v1/updates/{p}?after={at}", idempotent=True,
+            numel = self.store.numel(p)
+            cap = updates_body_max(self.codec.encoded_size(numel), KEEP_UPDATES, budget=numel)
+            body = await self.client.request("GET", url, f"/v1/updates/{p}?after={after}", idempotent=True,
                                              retries=0, max_response=cap)  # (the next holder is the retry)
         except RemoteError as e:
             if e.status == 404:
-                return False
+                return None
             raise
         frames = canonical.unpackb(body, max_len=1 << 31, strict=False)
         if not isinstance(frames, list) or not all(isinstance(f, bytes) for f in frames):
             raise Malformed("updates answer must be a list of frames")
-        for frame in frames:
-            await self.apply_update(self.verifier.open(frame, fresh=False), verify=True)
-        self.stats["caught_up_by_updates"] += 1
+        if len(frames) > KEEP_UPDATES:
+            raise Malformed(f"updates answer of {len(frames)} frames (a holder keeps at most {KEEP_UPDATES})")
+        return frames
+
+    async def _apply_frames(self, frames: list[bytes]) -> None:
+        """Apply a chain of update frames in order; the last one's digest is checked, vouching for the chain."""
+        for i, frame in enumerate(frames):
+            await self.apply_update(self.verifier.open(frame, fresh=False), verify=True if i == len(frames) - 1 else None)
+
+    async def _from_genesis(self, p: int, url: str) -> bool:
+        """A joiner's fragment p as its own Θ^(0) (`genesis`: its model, built from the run's seed) plus the
+        owner's kept updates since 0.0, when the owner keeps them all: a few compressed updates instead of the
+        fp32 fragment (sparse runs keep ~9). True when done, or when the owner is still at 0.0 (p stays unset,
+        as after a 404 for the fragment); False, for a download, when the owner does not keep them or the
+        result does not land on the last update's digest (a model not built from the seed)."""
+        frames = await self._kept_updates(p, url, GENESIS)
+        if frames is None:
+            return False
+        if not frames:
+            return True
+        if not self.store.fill(p, self.genesis(p)):
+            return False
+        try:
+            await self._apply_frames(frames)
+        except DigestMismatch:
+            self.stats["join_genesis_mismatch"] += 1
+            return False
+        self.stats["join_from_genesis_by_updates"] += 1
         return True
 
     async def fetch_fragment(self, p: int, url: str, repair: bool = False, replacing: Version | None = None) -> bool:
@@ -440,6 +478,8 @@ class FragmentSync:
         if url is None:
             return False
         try:
+            if p in self.store.unset and self.genesis is not None and await self._from_genesis(p, url):
+                return True
             await self.fetch_fragment(p, url, repair=True)
             return True
         except (TransportError, ProtocolError) as e:

@@ -255,10 +255,11 @@ def versions_body_max(P: int) -> int:
     return 8 + 20 * P
 
 
-def updates_body_max(codec_bytes: int, frames: int) -> int:
+def updates_body_max(codec_bytes: int, frames: int, budget: int = 0) -> int:
     """The longest body GET /v1/updates/{p} may answer: a canonical list of at most `frames` update envelopes,
-    each carrying `codec_bytes` of payload (the run's codec for the fragment's size: `Codec.encoded_size`)."""
-    return 8 + frames * (8 + frame_limit(codec_bytes))
+    each carrying at most `codec_bytes` of payload (the run's codec for the fragment's size:
+    `Codec.encoded_size`), together at most max(`budget`, one such envelope) bytes (what a holder keeps)."""
+    return 8 + 8 * frames + max(budget, frame_limit(codec_bytes))
 
 
 def tensor_payload_max(codec: Codec, numel: int) -> int:

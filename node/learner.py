@@ -235,6 +235,9 @@ class Learner:
                            self._overwritten, background=not self.spec.synchronous, on_write=self.on_theta_write)
         if unset:
             self.swarm.after_sync = self._fill_unset
+            # (a fragment whose owner keeps every update since 0.0 is built from our Θ^(0) and those: the model
+            # is read on the loop only while `start` waits for the join, before any step)
+            self.swarm.genesis = lambda p: self.plan.flatten(p, self.params)
         self.swarm.start()
         self._apply_new_versions()
         self.swarm.offer_ownership()
@@ -248,6 +251,7 @@ class Learner:
         then must those be the run's (a model whose every fragment is downloaded may start from anything).
         The model still holds them here: versions reach it after `start`."""
         store = self.swarm.store
+        self.swarm.sync.genesis = None  # (the model moves from now on)
         if not store.unset:
             return
         values = {p: self.plan.flatten(p, self.params)

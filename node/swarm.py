@@ -133,6 +133,7 @@ class Swarm:
                                          config.member_ttl_s)  # history and alerts (node/observe.py)
         self.after_sync: Callable[[], None] | None = None  # run once synced, before other peers count on us;
         # raising a JoinError there ends the join with that error
+        self.genesis: Callable[[int], torch.Tensor] | None = None  # a joiner's Θ^(0) of p (`FragmentSync.genesis`)
         self.codec = get_codec(spec.codec)
         self.client_mode = bool(config.client_mode)
         self.url = ""
@@ -359,6 +360,7 @@ class Swarm:
         self.sync = FragmentSync(self.identity, self.spec, self.store, self.members, self.client, self.server,
                                  self.codec, self.pool)
         self.sync.journal = self.journal
+        self.sync.genesis = self.genesis
         self.sync.verifier.is_member = self.roster.admits  # (certificates and amendments: the roster's view)
         if self.server is not None:
             self.shard = Shard(self.identity, self.spec, self.plan, self.store, self.members, self.client,

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco.coordinator.fragments import FragmentStore, anchor_digest
+from diloco.coordinator.fragments import KEEP_UPDATES, FragmentStore, anchor_digest
 from diloco.coordinator.version import GENESIS, Version
 from diloco.protocol.errors import StaleVersion
 
@@ -108,13 +108,25 @@ def test_a_repair_replaces_an_anchor_of_the_same_label_only_if_it_was_not_writte
         s.install(0, torch.full((6,), 3.0), V1, b"c", repair_of=generation)  # checked before the last write
 
 
-def test_kept_updates_lead_from_an_old_version_to_the_current_one():
-    s = store()
+def test_kept_updates_lead_from_an_old_version_to_the_current_one_within_a_byte_per_parameter():
+    s = store()  # (6 elements: the kept frames may take 6 bytes together)
     s.advance(0, GENESIS, V1, torch.ones(6), b"f1", b"c")
     s.advance(0, V1, V2, torch.ones(6), b"f2", b"c")
     assert s.updates_after(0, V1) == [b"f2"]
-    assert s.updates_after(0, GENESIS) is None, "only the last update is kept"
+    assert s.updates_after(0, GENESIS) == [b"f1", b"f2"], "two small frames fit"
     assert s.updates_after(0, Version(5, 5)) is None
+    s.advance(0, V2, Version(1, 3), torch.ones(6), b"f3-", b"c")
+    assert s.updates_after(0, GENESIS) is None, "the oldest frame went: 7 bytes do not fit"
+    assert s.updates_after(0, V1) == [b"f2", b"f3-"]
+    s.advance(0, Version(1, 3), Version(1, 4), torch.ones(6), b"a large frame", b"c")
+    assert s.updates_after(0, Version(1, 3)) == [b"a large frame"], "the newest one is kept whatever its size"
+    assert s.updates_after(0, V2) is None
+    at = Version(1, 4)
+    for v in range(5, 5 + KEEP_UPDATES + 2):  # tiny frames: at most KEEP_UPDATES of them
+        s.advance(0, at, Version(1, v), torch.ones(6), b"", b"c")
+        at = Version(1, v)
+    assert len(s.updates_after(0, Version(1, 4 + 2))) == KEEP_UPDATES
+    assert s.updates_after(0, Version(1, 4 + 1)) is None
 
 
 def test_steps_of_a_delta_never_merged_are_counted_by_the_next_one_that_is():

@@ -52,6 +52,27 @@ def test_the_catch_up_cap_holds_a_kept_update_of_any_fragment_size():
     assert updates_body_max(int8.encoded_size(100_000_000), 1) > max(100_000_000, DEFAULT_MAX_RESPONSE)
 
 
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_the_catch_up_cap_holds_every_chain_of_frames_a_holder_keeps(codec):
+    from diloco.coordinator.fragments import KEEP_UPDATES, FragmentStore
+
+    c, numel, signer = get_codec(codec), 20_000, Identity.generate()
+    store = FragmentStore([torch.zeros(numel)])
+    at, first = Version(1, 0), []
+    for v in range(1, 25):
+        update = torch.randn(numel)  # (as an owner encodes a merge of 4 deltas)
+        meta, payload = c.encode_update(update, 4) if hasattr(c, "encode_update") else c.encode(update)
+        fields = UpdateFields(0, at, Version(1, v), b"d" * 32, meta, tuple("p" * 43 for _ in range(4)))
+        frame = seal(signer, UPDATE, b"r" * 32, fields.to_fields(), payload).to_bytes()
+        store.advance(0, store.label(0), Version(1, v), torch.zeros(numel), frame, b"c")
+        at = Version(1, v)
+        first.append(store.held[0].updates[0][0])
+    kept = store.updates_after(0, first[-1])
+    assert kept and len(kept) <= KEEP_UPDATES
+    assert len(canonical.packb(kept)) <= updates_body_max(c.encoded_size(numel), KEEP_UPDATES, budget=numel)
+    assert len(kept) > 1 if codec == "topk" else len(kept) == 1, "sparse updates: several fit in a byte per parameter"
+
+
 def test_error_feedback_restored_after_an_encode_that_was_never_delivered():
     feedback = ErrorFeedback("int4")
     feedback.encode("0", torch.randn(256))

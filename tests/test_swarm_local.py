@@ -120,6 +120,32 @@ def test_a_joiner_takes_each_fragment_from_its_owner_and_checks_in_the_dht_only_
 
 
 @pytest.mark.timeout(120)
+def test_a_joiner_of_a_sparse_run_builds_young_fragments_from_its_own_genesis_and_the_kept_updates(fleet):
+    genesis = tiny_run(codec="topk", fragments=3)
+    learners = fleet(genesis, 2)
+    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 2 for ll in learners), 20, "2 live members")
+    for _ in range(3):
+        for ll in learners:
+            ll.train(10)
+    wait_until(lambda: all(v.version >= 2 for ll in learners for v in ll.learner.labels), 30, "two versions")
+    late = LocalLearner(genesis, 2, peers=[learners[0].url])
+    start = [late.learner.plan.flatten(p, late.learner.params).clone() for p in range(genesis.spec.fragments)]
+    learners.append(late)  # (closed by the fixture)
+    late.start()
+    stats = late.learner.swarm.sync.stats
+    assert stats["join_from_genesis_by_updates"] == genesis.spec.fragments, dict(stats)
+    assert stats["full_downloads"] == 0 and stats["join_genesis_mismatch"] == 0
+    by_id = {ll.learner.swarm.identity.peer_id: ll for ll in learners}
+    for p in range(genesis.spec.fragments):  # the owner's anchor, bit for bit in the store, and in the model
+        owner = by_id[late.learner.swarm.members.roles(p)[0]].learner.swarm.store
+        anchor, label, _ = owner.read(p)
+        if late.learner.labels[p] == label:
+            assert torch.equal(late.learner.swarm.store.held[p].anchor, anchor)
+            theta = late.learner.plan.flatten(p, late.learner.params)  # (its moves: rounding apart, the same)
+            assert (theta - anchor).abs().max() < 1e-6 < (anchor - start[p]).abs().max()
+
+
+@pytest.mark.timeout(120)
 def test_a_learner_that_stops_is_dropped_at_the_next_poll_and_a_joiner_then_finds_every_owner(fleet):
     genesis = tiny_run(fragments=6)
     learners = fleet(genesis, 3)
