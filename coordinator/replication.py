@@ -349,9 +349,10 @@ class Replication:
     def _check_base(self, f: UpdateFields) -> None:
         """Refuse (412) to hold a version whose base is older than a version of p this replica holds, unless it
         holds that very version: the owner missed a version (another owner's, during a takeover or while member
-        views differed), and the version it replicates would fork p and lose what that one merged."""
+        views differed), and the version it replicates would fork p and lose what that one merged. A version
+        of the owner's own term is its own (one it replicated, then did not publish): it knows better."""
         held = self.store.label(f.p)
-        if held > f.base and held != f.new:
+        if held > f.base and held != f.new and held.term != f.new.term:
             self.stats["replications_base_outdated"] += 1
             raise BaseOutdated(f"this replica holds fragment {f.p} at {held}, newer than the base {f.base} of "
                                f"{f.new}: reach it first")

@@ -373,6 +373,9 @@ class Shard:
             fields = UpdateFields(p, pub.base, pub.new, digest, pub.meta, tuple(pub.learners), tuple(pub.merged),
                                   pub.clip).to_fields()
             env = await asyncio.to_thread(seal, self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
+            if owner.held_back:  # a member arrived meanwhile that may hold a newer version: compare first
+                self.stats["publications_held_for_a_comparison"] += 1
+                return None
             try:
                 replicated = await self.replication.replicate(p, owner.term, pub.new, env, anchor, pub.momentum,
                                                               [(d.prefix, d.payload) for d in pub.batch])

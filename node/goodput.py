@@ -23,7 +23,9 @@ Invariants:
 - a lost accepted update: two different terms accepted for the same version number of a fragment within one
   epoch: the swarm forked, and whoever held the losing branch had accepted an update that no longer exists.
   Counted as a defect when some learner holding the losing version was up (joined, not yet dead) when the
-  competing one appeared: the new owner should have reached it. When every holder was down at that moment
+  competing branch appeared (its first version at or below that number, under a higher term: from then on
+  the version was lost, whatever came after), so the new owner should have reached it. (Two branches split
+  among live learners show as such a defect at their first versions.) When every holder was down at that moment
   (the learners that had it all dead or still restarting, the others publishing meanwhile), no protocol that
   does not wait for dead peers could have kept it; those are counted apart (`lost_with_every_holder_down`).
 """
@@ -136,13 +138,21 @@ def _forks(incarnations: list[Incarnation]) -> tuple[int, int]:
             holders = seen[(inc.epoch, p, version)][term]
             first = holders.get(inc.slot, at)
             holders[inc.slot] = None if first is None or at is None else min(first, at)
-    defects = down = 0
-    for (epoch, _, _), terms in seen.items():
+    # (epoch, p) -> [(version, term, the first time any slot accepted it)]: where each branch began
+    firsts: dict[tuple[int, int], list[tuple[int, int, float | None]]] = defaultdict(list)
+    for (epoch, p, version), terms in seen.items():
         for term, holders in terms.items():
-            later = [t for higher, hs in terms.items() if higher > term for t in hs.values()]
-            if not later:
+            times = list(holders.values())
+            firsts[(epoch, p)].append((version, term, None if None in times else min(times)))
+    defects = down = 0
+    for (epoch, p, version), terms in seen.items():
+        for term, holders in terms.items():
+            if not any(higher > term for higher in terms):
                 continue  # the surviving branch
-            appeared = min((t for t in later if t is not None), default=None)
+            # the version was lost when a higher term first published a version at or below its number: that
+            # branch does not hold it (version numbers only grow along a branch), whatever came after
+            later = [t for v, higher, t in firsts[(epoch, p)] if higher > term and v <= version]
+            appeared = min((t for t in later if t is not None), default=None) if None not in later else None
             if appeared is None or any(at is None or (at <= appeared and _up(incarnations, epoch, slot, appeared))
                                        for slot, at in holders.items()):
                 defects += 1

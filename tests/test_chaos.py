@@ -193,6 +193,36 @@ def test_the_harness_records_first_steps_and_leaves_a_starting_learner_a_cpu(tmp
             proc.wait()
 
 
+@pytest.mark.timeout(60)
+def test_at_the_end_of_a_run_each_learner_is_down_from_the_moment_its_own_process_exits(tmp_path):
+    # who was up when a competing version appeared decides whether a fork is a defect (node/goodput.py): a
+    # learner that drained and exited at once must not count as up while a slower one is still draining
+    import time
+
+    from diloco.node.chaos import Fleet
+    from diloco.node.goodput import Incarnation
+
+    fleet = Fleet("decoupled", tmp_path / "run.spec", tmp_path / "w", peers=2, pace_s=0.1, checkpoint_every=10,
+                  eval_every=0)
+    try:
+        for slot, linger in zip(fleet.slots, (3.0, 0.2), strict=True):  # the first one takes longest to stop
+            slot.proc = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
+                                          f"signal.signal(signal.SIGINT, lambda *a: (time.sleep({linger}), exit(0)))\n"
+                                          "time.sleep(30)"])
+            slot.inc = Incarnation(slot.index, time.monotonic())
+        time.sleep(0.5)  # (their handlers installed)
+        t0 = time.monotonic()
+        fleet.stop()
+        slow, quick = (s.inc.ended_at - t0 for s in fleet.slots)
+        assert quick < 1.5 < slow, (quick, slow)
+    finally:
+        fleet.log.close()
+        for slot in fleet.slots:
+            if slot.proc is not None:
+                slot.proc.kill()
+                slot.proc.wait()
+
+
 def test_a_learner_reports_where_its_start_up_went_with_its_first_step(tmp_path, capsys):
     from diloco.node.swarm import SwarmConfig
     from diloco.node.train import TrainOptions, new_run, train

@@ -86,6 +86,18 @@ def test_a_fork_is_a_defect_when_a_holder_was_up_and_counted_apart_when_every_ho
     assert (gp.lost_accepted_updates(late), gp.lost_with_every_holder_down(late)) == (0, 1)
 
 
+def test_a_version_is_lost_when_the_competing_branch_began_not_when_its_own_number_came_up():
+    # slots 0 and 1 accept (1, 6) and (1, 7) and die at t=20; slot 2 publishes (2, 6) at t=31, while both are
+    # down: from then on (1, 7) is lost too. Slot 1's relaunch joins at t=33 (it takes (2, 6): the higher
+    # term), and (2, 7) appears at t=35 while it is up: too late to matter, so not a defect
+    down = [_timed(0, 1, 20, [((0, 1, 6), 10), ((0, 1, 7), 12)]), _timed(1, 1, 20, [((0, 1, 6), 11), ((0, 1, 7), 13)]),
+            _timed(2, 30, None, [((0, 2, 6), 31), ((0, 2, 7), 35)]), _timed(1, 33, None, [((0, 2, 6), 34)])]
+    assert (gp.lost_accepted_updates(down), gp.lost_with_every_holder_down(down)) == (0, 2)
+    # the same branch beginning while slot 1's relaunch was up (joined at t=29): both versions are defects
+    up = down[:3] + [_timed(1, 29, None, [((0, 2, 6), 34)])]
+    assert (gp.lost_accepted_updates(up), gp.lost_with_every_holder_down(up)) == (2, 0)
+
+
 def test_loss_at_tokens_interpolates_a_smoothed_curve_and_clamps_at_its_ends():
     pts = [(0, 4.0), (100, 3.0), (200, 2.0)]
     assert gp.loss_at_tokens(pts, 150, window=1) == pytest.approx(2.5)

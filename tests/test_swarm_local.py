@@ -209,6 +209,46 @@ def test_a_replica_that_missed_the_newest_replication_rebuilds_the_momentum_when
     assert error < 0.05, f"rebuilt momentum is {error:.3f} off the owner's (the int8 update's error only)"
 
 
+@pytest.mark.timeout(120)
+def test_an_owner_told_to_compare_versions_while_its_step_runs_compares_before_it_replicates(fleet):
+    learners, owner, replica, p = owner_and_replica(fleet)
+    shard = owner.learner.swarm.shard
+    fo = shard.owners[p]
+    step, replicate, told = fo.step, shard.replication.replicate, []
+
+    def step_then_a_member_arrives(batch, current):  # (in the step's worker thread)
+        pub = step(batch, current)
+        if not told:
+            told.append(current)
+            fo.held_back = True  # as `reassign` does when a member arrives
+            shard_loop = owner.learner.swarm._loop
+            shard_loop.call_soon_threadsafe(lambda: shard._spawn(shard._reach_newest([p])))
+        return pub
+
+    replicated = []
+
+    async def recording(p_, term, label, *args, **kwargs):
+        replicated.append((label, fo.held_back))
+        return await replicate(p_, term, label, *args, **kwargs)
+
+    held_above = shard.sync.held_above
+
+    async def slowly(ps, **kwargs):  # (the comparison takes a while: asking a member that just arrived)
+        import asyncio
+
+        await asyncio.sleep(1.0)
+        return await held_above(ps, **kwargs)
+
+    fo.step, shard.replication.replicate, shard.sync.held_above = step_then_a_member_arrives, recording, slowly
+    before = owner.learner.labels[p]
+    for ll in learners:
+        ll.train(10)
+    wait_until(lambda: all(ll.learner.labels[p].version == before.version + 1 for ll in learners), 30,
+               "the round published once the comparison is done")
+    assert told and shard.stats["publications_held_for_a_comparison"] == 1
+    assert replicated and not any(held for _, held in replicated), "nothing replicated while held back"
+
+
 def on_loop(ll: LocalLearner, coro, timeout: float = 30.0):
     """Run `coro` on the learner's swarm loop and wait for its result."""
     import asyncio
