@@ -110,6 +110,7 @@ class FragmentOwner:
         self.label: Version | None = None  # the version whose owner state this is (None: not known yet)
         self._spare: Tensor | None = None  # the buffer the next step writes its momentum into
         self.held_back = False  # no step while True (a new owner reaching the newest version first)
+        self.published = 0  # versions committed by this ownership
         self.hold_until: float | None = None  # no step before this time (a new owner pulling its momentum)
         self.clock = clock
         self.pending: dict[str, PendingDelta] = {}
@@ -232,6 +233,7 @@ class FragmentOwner:
         (the caller holds the event loop, so a hand-over sees either the old state or this one)."""
         old = self.momentum
         self.momentum, self.residual, self.label = pub.momentum, pub.residual, pub.new
+        self.published += 1
         self.norms.extend(pub.norms)
         self._spare = old if old is not pub.momentum else None  # the next step writes into it
 

@@ -59,6 +59,7 @@ FRAG_RECORD_TTL_S = 3600.0
 # An owner announces a fragment's newest version in the DHT at most this often (the newest one once the time is
 # up): the records serve the watch loop's every 6th look and joiners, while every announcement costs k stores
 FRAG_RECORD_EVERY_S = 10.0
+CHECKED_VERSIONS = 2  # a new owner asks every live member's versions again before replicating its first ones
 REACH_ON_DELTA_EVERY_S = 5.0  # at most this often, a delta based on a version newer than ours starts a reach
 
 
@@ -375,6 +376,12 @@ class Shard:
             env = await asyncio.to_thread(seal, self.identity, UPDATE, self.spec.run_id, fields, pub.payload)
             if owner.held_back:  # a member arrived meanwhile that may hold a newer version: compare first
                 self.stats["publications_held_for_a_comparison"] += 1
+                return None
+            if owner.published < CHECKED_VERSIONS and p in await self.sync.held_above([p], suspect=False):
+                # a new ownership: the old owner may have published after the takeover compared versions
+                # (member views differed for a moment), to members that are not our replicas
+                self.stats["publications_held_for_a_newer_version"] += 1
+                self._reach_before_stepping(p, owner)
                 return None
             try:
                 replicated = await self.replication.replicate(p, owner.term, pub.new, env, anchor, pub.momentum,

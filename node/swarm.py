@@ -46,6 +46,7 @@ from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, Trans
 from . import observe, operator, reach
 from .heap import return_large_buffers_to_os, trim_heap
 from .journal import Journal
+from .niceness import lower_this_thread
 from .preempt import DrainReport
 
 log = logging.getLogger(__name__)
@@ -281,6 +282,7 @@ class Swarm:
         return self.error is None and self._thread is not None and self._thread.is_alive() and self._ready.is_set()
 
     def _thread_main(self) -> None:
+        lower_this_thread()  # (and the loop's worker threads, which inherit it)
         try:
             asyncio.run(self._main())
         except BaseException as e:  # surfaced to the training thread by start(), or by Learner.step

@@ -38,6 +38,7 @@ from diloco.coordinator.fragments import FragmentStore, Held, Move
 from diloco.coordinator.plan import FragmentPlan
 from diloco.coordinator.version import Version
 
+from .niceness import lower_this_thread
 from .swarm import SwarmFailed
 
 SLICE = 1 << 18  # elements per slice: about 0.3 ms to add or copy on one core (1 ms under load)
@@ -323,6 +324,7 @@ class Theta:
 
     def _copy_all(self) -> None:
         """Copy each queued snapshot out of θ, a slice at a time, while the training thread goes on."""
+        lower_this_thread()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._copies or self._closed)
@@ -352,6 +354,7 @@ class Theta:
     # -- the summer thread ------------------------------------------------------------------------------------
 
     def _summer(self) -> None:
+        lower_this_thread()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._closed)

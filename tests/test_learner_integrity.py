@@ -174,3 +174,21 @@ def test_no_step_waits_for_an_owner_that_answers_after_5_s(pair, monkeypatch):
     sent = sum(ll.learner.swarm.sync.stats["deltas_sent"] for ll in learners)
     assert sent >= 4, "no delta went through the slow owner"
     assert worst < 1.0, f"a step waited {worst:.2f} s on a slow owner"
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "setpriority"), reason="per-thread nice is Linux's")
+def test_the_swarm_and_theta_threads_run_below_the_training_threads_priority(alone):
+    import os
+
+    from diloco.node.niceness import BACKGROUND_NICE
+
+    ll = alone()
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    ll.train(12)  # (θ's threads and the loop's workers have work by now)
+    swarm_threads = [t for t in threading.enumerate() if t.name.startswith("diloco-") and t.native_id]
+    workers = [t for t in threading.enumerate() if t.name.startswith("asyncio_") and t.native_id]
+    names = {t.name for t in swarm_threads}
+    assert {"diloco-swarm", "diloco-theta", "diloco-theta-copy"} <= names, names
+    for t in swarm_threads + workers:
+        assert os.getpriority(os.PRIO_PROCESS, t.native_id) == min(19, mine + BACKGROUND_NICE), t.name
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine, "the training thread is untouched"

@@ -444,13 +444,14 @@ def test_a_new_owner_builds_on_a_version_its_dead_predecessor_pushed_only_to_a_l
     assert_built_on_without_a_fork([replica, witness], p, last)
 
 
-def miss_the_first_comparison(ll: LocalLearner) -> list:
-    """The next takeover of `ll` compares versions with nobody (its members were busy for 2 s, say)."""
+def miss_the_first_comparison(ll: LocalLearner, times: int = 1) -> list:
+    """The next `times` comparisons of versions of `ll` (its takeover's first) reach nobody (its members were
+    busy for 2 s, say)."""
     sync = ll.learner.swarm.sync
     held_above, missed = sync.held_above, []
 
     async def first_answer_missed(ps, **kwargs):
-        if not missed:
+        if len(missed) < times:
             missed.append(ps)
             return {}
         return await held_above(ps, **kwargs)
@@ -475,14 +476,31 @@ def test_an_owner_sent_a_delta_based_on_a_version_it_missed_reaches_that_version
 
 
 @pytest.mark.timeout(120)
+def test_a_new_owner_compares_versions_again_before_replicating_its_first_version(fleet, monkeypatch):
+    # quorum 1: the new owner steps on its own delta, from the version before `last`; its takeover's comparison
+    # missed the witness, but the one before its first version does not
+    replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum=1)
+    missed = miss_the_first_comparison(replica)
+    taken = replica.learner.swarm.shard
+    taken._behind = lambda p, owner, sender: None
+    wait_until(lambda: p in taken.owners and missed, 20, "the replica to take p over, missing the witness")
+    assert replica.learner.swarm.store.label(p) < last
+    replica.train(10)
+    wait_until(lambda: replica.learner.swarm.store.label(p) >= last, 20, "the new owner to reach the last version")
+    assert taken.stats["publications_held_for_a_newer_version"] >= 1
+    assert taken.stats["publications_refused_base_outdated"] == 0
+    assert_built_on_without_a_fork([replica, witness], p, last)
+
+
+@pytest.mark.timeout(120)
 def test_a_replica_holding_a_version_the_owner_missed_refuses_the_fork_and_the_owner_reaches_it(
         fleet, monkeypatch):
     # quorum 1: the new owner steps on its own delta, from the version before `last`; the witness, its replica
     # now, refuses to hold that version (412) and the owner reaches `last` first
     replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum=1)
-    missed = miss_the_first_comparison(replica)
+    missed = miss_the_first_comparison(replica, times=2)  # (the takeover's, and the one before its first version)
     taken = replica.learner.swarm.shard
-    taken._behind = lambda p, owner: None  # (no witness delta tells the owner either: the replica alone must)
+    taken._behind = lambda p, owner, sender: None  # (no witness delta tells the owner either: the replica must)
     wait_until(lambda: p in taken.owners and missed, 20, "the replica to take p over, missing the witness")
     assert replica.learner.swarm.store.label(p) < last
     replica.train(10)

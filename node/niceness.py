@@ -1,0 +1,27 @@
+"""The swarm's threads yield the CPU to the training thread (Linux `nice`, which is per thread).
+
+On a machine whose cores are all busy, a training step that wakes while the swarm's threads hold every core
+waits for one of them to be preempted: that wait is the tail of the step-time distribution. The swarm's work
+has deadlines of seconds, the step's of milliseconds, so the swarm's event loop and worker threads and θ's
+summer and copier run a few nice levels below the thread that trains (threads they start inherit it). Not an
+idle class: a thread parked for long while it holds the GIL would stall the training thread instead.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+BACKGROUND_NICE = 5  # levels below the caller's: a weight of about a third of the training thread's when both run
+
+
+def lower_this_thread(levels: int = BACKGROUND_NICE) -> None:
+    """Lower the calling thread's scheduling priority by `levels` nice levels (at most to 19); a no-op where
+    the platform has no per-thread nice or refuses it."""
+    if levels <= 0 or not hasattr(os, "setpriority"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + levels))
+    except OSError:
+        pass
