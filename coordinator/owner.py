@@ -111,6 +111,7 @@ class FragmentOwner:
         self._spare: Tensor | None = None  # the buffer the next step writes its momentum into
         self.held_back = False  # no step while True (a new owner reaching the newest version first)
         self.published = 0  # versions committed by this ownership
+        self.checked: Version | None = None  # the last base whose versions were compared before replicating
         self.hold_until: float | None = None  # no step before this time (a new owner pulling its momentum)
         self.clock = clock
         self.pending: dict[str, PendingDelta] = {}

@@ -377,12 +377,15 @@ class Shard:
             if owner.held_back:  # a member arrived meanwhile that may hold a newer version: compare first
                 self.stats["publications_held_for_a_comparison"] += 1
                 return None
-            if owner.published < CHECKED_VERSIONS and p in await self.sync.held_above([p], suspect=False):
+            if owner.published < CHECKED_VERSIONS and owner.checked != pub.base:
                 # a new ownership: the old owner may have published after the takeover compared versions
-                # (member views differed for a moment), to members that are not our replicas
-                self.stats["publications_held_for_a_newer_version"] += 1
-                self._reach_before_stepping(p, owner)
-                return None
+                # (member views differed for a moment), to members that are not our replicas. Once per base: a
+                # member that claims a version it cannot serve delays one round, not every one
+                owner.checked = pub.base
+                if p in await self.sync.held_above([p], suspect=False):
+                    self.stats["publications_held_for_a_newer_version"] += 1
+                    self._reach_before_stepping(p, owner)
+                    return None
             try:
                 replicated = await self.replication.replicate(p, owner.term, pub.new, env, anchor, pub.momentum,
                                                               [(d.prefix, d.payload) for d in pub.batch])

@@ -249,6 +249,29 @@ def test_an_owner_told_to_compare_versions_while_its_step_runs_compares_before_i
     assert replicated and not any(held for _, held in replicated), "nothing replicated while held back"
 
 
+@pytest.mark.timeout(120)
+def test_a_member_claiming_a_version_it_cannot_serve_delays_a_new_owners_version_by_one_round_only(fleet):
+    learners, owner, replica, p = owner_and_replica(fleet)
+    shard = owner.learner.swarm.shard
+    fo = shard.owners[p]
+    fo.published, fo.checked = 0, None  # (as a new ownership)
+    liar = replica.learner.swarm.identity.peer_id
+
+    async def always_newer(ps, **kwargs):  # every comparison hears of a version nobody can serve
+        at = owner.learner.swarm.store.label(p)
+        return {p: (Version(at.term, at.version + 5), [liar])} if p in ps else {}
+
+    shard.sync.held_above = always_newer
+    before = owner.learner.labels[p]
+    for _ in range(3):
+        for ll in learners:
+            ll.train(10)
+        if owner.learner.labels[p] > before:
+            break
+    wait_until(lambda: owner.learner.labels[p] > before, 30, "a version published despite the claim")
+    assert shard.stats["publications_held_for_a_newer_version"] == 1
+
+
 def on_loop(ll: LocalLearner, coro, timeout: float = 30.0):
     """Run `coro` on the learner's swarm loop and wait for its result."""
     import asyncio
