@@ -28,7 +28,7 @@ from .rebase import Changes, InFlight, RebaseLedger, VersionLog
 from .version import GENESIS, Version
 
 # Update frames kept per fragment for catch-up: the newest ones, as many as fit in 1 byte per parameter (one
-# int8 update; ~9 sparse ones), at least one and at most KEEP_UPDATES
+# int8 update; ~5 sparse ones of 4 merged deltas), at least one and at most KEEP_UPDATES
 KEEP_UPDATES = 16
 
 
