@@ -120,6 +120,7 @@ class Shard:
         self.takeover.stepping = self._stepping.__contains__
         self.draining = ShardDrain(self)  # this peer's leaving on purpose (`drain`)
         sync.on_local_delta = self.accept_delta
+        sync.on_held_above = self._told_held_above
         membership.on_change.append(self.reassign)
 
     # -- deltas ---------------------------------------------------------------------------------------------
@@ -159,6 +160,31 @@ class Shard:
         self._behind_at[p] = now
         self.stats["reached_after_a_newer_delta"] += 1
         self._reach_before_stepping(p, owner, ask=sender)
+
+    def _told_held_above(self, p: int, held: Version) -> None:
+        """A joiner downloading p from us (or a learner asking for the updates after its version) holds a newer version, restored from its journal (docs/architecture.md
+        §5.6): one we never saw, published by p's owner before it died. Its member record may be younger than
+        our last poll, so the comparison at its arrival has not run yet, and our next version would fork p:
+        read the member records now and compare with every live member before stepping. The claim is not
+        signed (a read): at most once per REACH_ON_DELTA_EVERY_S per fragment, like `_behind`."""
+        owner, now = self.owners.get(p), time.monotonic()
+        if owner is None or owner.held_back or now - self._behind_at.get(p, float("-inf")) < REACH_ON_DELTA_EVERY_S:
+            return
+        self._behind_at[p] = now
+        self.stats["reached_after_a_joiner_held_above"] += 1
+        log.info("fragment %d: a joiner holds %s, above our %s; comparing versions before the next step", p, held,
+                 self.store.label(p))
+        owner.held_back = True
+        self._spawn(self._poll_then_reach(p))
+
+    async def _poll_then_reach(self, p: int) -> None:
+        seen = set(self._live_seen)
+        try:
+            with contextlib.suppress(TransportError, ProtocolError, asyncio.TimeoutError):
+                await self.members.poll()
+        finally:  # (a member that arrived: `reassign` compares with it, holding p back until then)
+            if not self._live_seen - seen - {self.members.peer_id}:
+                await self._reach_newest([p], once=True)
 
     def _reach_before_stepping(self, p: int, owner: FragmentOwner, ask: str | None = None) -> None:
         if self.owners.get(p) is owner:
@@ -217,9 +243,9 @@ class Shard:
                 held[p] = (owner.label, fp32_copy(owner.momentum))
         return held
 
-    async def _reach_newest(self, taken: list[int], ask: str | None = None) -> None:
+    async def _reach_newest(self, taken: list[int], ask: str | None = None, once: bool = False) -> None:
         try:
-            await self.takeover.reach_newest(taken, ask)
+            await self.takeover.reach_newest(taken, ask, once=once)
         finally:
             self._poke()
 

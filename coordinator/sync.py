@@ -108,6 +108,8 @@ class FragmentSync:
         self._encoding: collections.defaultdict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         # Set by the shard: a delta for a fragment this peer owns is handed over without the network.
         self.on_local_delta: Callable[[Envelope], None] | None = None
+        # Set by the shard: a peer fetching fragment p holds a version above ours (`_told_held`)
+        self.on_held_above: Callable[[int, Version], None] | None = None
         self.journal: VersionJournal | None = None  # set by the learner when it keeps checkpoints
         # a joiner's Θ^(0) of fragment p, from its model (set by the learner while it joins): `_from_genesis`
         self.genesis: Callable[[int], torch.Tensor] | None = None
@@ -195,8 +197,11 @@ class FragmentSync:
         return path_fragment(request.match_info["p"], self.P)
 
     async def _serve_fragment(self, request: web.Request) -> web.StreamResponse:
-        """GET /v1/fragment/{p}: the certified anchor. 404 while we hold only the genesis version."""
+        """GET /v1/fragment/{p}[?held=T.V]: the certified anchor. 404 while we hold only the genesis version.
+        `held`: the version the asking joiner holds (restored from its journal), which its owner compares."""
         p = self._fragment_index(request)
+        if "held" in request.query:
+            self._told_held(p, Version.parse(request.query["held"]))
         with self.pool.borrow(self.store.numel(p)) as anchor:
             label, cert = self.store.snapshot_into(p, anchor)
             if not cert:
@@ -215,10 +220,15 @@ class FragmentSync:
         """GET /v1/updates/{p}?after=T.V: the kept update frames from that version on (404 if not all kept)."""
         p = self._fragment_index(request)
         after = Version.parse(request.query.get("after", ""))
+        self._told_held(p, after)  # (the asker holds `after`)
         frames = self.store.updates_after(p, after)
         if frames is None:
             return web.Response(status=404, text=f"updates after {after} of fragment {p} are no longer kept\n")
         return web.Response(body=canonical.packb(frames), content_type="application/octet-stream")
+
+    def _told_held(self, p: int, held: Version) -> None:
+        if held > self.store.label(p) and self.on_held_above is not None:
+            self.on_held_above(p, held)
 
     async def _serve_versions(self, request: web.Request) -> web.Response:
         """GET /v1/versions: this holder's version of every fragment."""
@@ -331,14 +341,16 @@ class FragmentSync:
         self.stats["join_from_genesis_by_updates"] += 1
         return True
 
-    async def fetch_fragment(self, p: int, url: str, repair: bool = False, replacing: Version | None = None) -> bool:
+    async def fetch_fragment(self, p: int, url: str, repair: bool = False, replacing: Version | None = None,
+                             held: Version | None = None) -> bool:
         """Download Θ_p whole from `url`, check it against its certificate, install it if newer (or, with
         `repair`, if it is the same version with other bytes than ours; with `replacing`, if we still hold that
-        version of a distrusted publisher: coordinator/distrust.py)."""
+        version of a distrusted publisher: coordinator/distrust.py). `held`: tell `url` the version we hold."""
         # the download lands in the fragment's own anchor while that holds no values yet, else in a new tensor
         reader = FragmentReader(self.store.numel(p), into=self.store.begin_download(p))
         try:
-            await self.client.request("GET", url, f"/v1/fragment/{p}", idempotent=True, retries=0,
+            path = f"/v1/fragment/{p}" if held is None else f"/v1/fragment/{p}?held={held}"
+            await self.client.request("GET", url, path, idempotent=True, retries=0,
                                       max_response=fragment_body_max(self.store.numel(p)), sink=reader)
             return await self._check_and_install(p, reader, repair, replacing)
         except RemoteError as e:
@@ -480,7 +492,9 @@ class FragmentSync:
         try:
             if p in self.store.unset and self.genesis is not None and await self._from_genesis(p, url):
                 return True
-            await self.fetch_fragment(p, url, repair=True)
+            # (a version restored from our journal may be one the owner never saw: it compares when told so)
+            held = None if p in self.store.unset else self.store.label(p)
+            await self.fetch_fragment(p, url, repair=True, held=held)
             return True
         except (TransportError, ProtocolError) as e:
             self._holder_failed(owner, f"downloading fragment {p} from its owner", e)

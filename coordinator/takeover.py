@@ -107,14 +107,15 @@ class Takeover:
             return None
         return momentum
 
-    async def reach_newest(self, taken: list[int], ask: str | None = None) -> None:
+    async def reach_newest(self, taken: list[int], ask: str | None = None, *, once: bool = False) -> None:
         """Bring the fragments just `taken` over to the highest version any live member holds (with `ask`:
-        that member, asked once), then let their owners step (they are held back until then)."""
+        that member, asked once; with `once`: each, asked once), then let their owners step (they are held
+        back until then)."""
         try:
-            if ask is None:
+            if ask is None and not once:
                 above = await self._held_above(taken)
-            else:  # (one request: a member that claims a version and does not answer holds no step back long)
-                above = await self.sync.held_above(taken, suspect=False, only={ask})
+            else:  # (one request each: a claim that nobody answers for holds no step back long)
+                above = await self.sync.held_above(taken, suspect=False, only=None if ask is None else {ask})
             for p, (target, holders) in sorted(above.items()):
                 owner = self.owners.get(p)
                 if owner is None:

@@ -516,6 +516,27 @@ def test_a_new_owner_compares_versions_again_before_replicating_its_first_versio
 
 
 @pytest.mark.timeout(120)
+def test_a_joiner_holding_a_version_its_owner_missed_tells_the_owner_which_reaches_it_before_stepping(
+        fleet, monkeypatch):
+    # the witness plays a learner relaunched from its journal: its join downloads p from the new owner, which
+    # missed `last` at its takeover; nobody trains meanwhile, and the witness's delta still in flight says
+    # nothing either: only the joiner's word can bring the owner there
+    replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch)
+    missed = miss_the_first_comparison(replica)
+    taken = replica.learner.swarm.shard
+    taken._behind = lambda p, owner, sender: None
+    wait_until(lambda: p in taken.owners and missed and not taken.owners[p].held_back, 20,
+               "the replica to take p over, missing the witness")
+    assert replica.learner.swarm.store.label(p) < last
+    new_owner = replica.learner.swarm.identity.peer_id
+    wait_until(lambda: witness.learner.swarm.members.roles(p)[0] == new_owner, 20, "the witness to see the new owner")
+    assert on_loop(witness, witness.learner.swarm.sync.sync_all()) == []
+    wait_until(lambda: replica.learner.swarm.store.label(p) >= last, 20, "the new owner to reach the last version")
+    assert taken.stats["reached_after_a_joiner_held_above"] >= 1
+    assert_built_on_without_a_fork([replica, witness], p, last)
+
+
+@pytest.mark.timeout(120)
 def test_a_replica_holding_a_version_the_owner_missed_refuses_the_fork_and_the_owner_reaches_it(
         fleet, monkeypatch):
     # quorum 1: the new owner steps on its own delta, from the version before `last`; the witness, its replica
