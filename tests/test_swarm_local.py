@@ -29,6 +29,18 @@ def fleet():
         ll.learner.close()
 
 
+def two_versions_in(fleet, genesis, n: int, rounds: int = 2) -> list[LocalLearner]:
+    """`n` learners that see each other and trained `rounds` rounds of 10 steps: every fragment at version 2 or
+    more at every one of them."""
+    learners = fleet(genesis, n)
+    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == n for ll in learners), 20, f"{n} live members")
+    for _ in range(rounds):
+        for ll in learners:
+            ll.train(10)
+    wait_until(lambda: all(v.version >= 2 for ll in learners for v in ll.learner.labels), 30, "two versions")
+    return learners
+
+
 @pytest.mark.timeout(120)
 def test_learners_and_owners_hold_bit_identical_fragments(fleet):
     genesis = tiny_run()
@@ -122,12 +134,7 @@ def test_a_joiner_takes_each_fragment_from_its_owner_and_checks_in_the_dht_only_
 @pytest.mark.timeout(120)
 def test_a_joiner_of_a_sparse_run_builds_young_fragments_from_its_own_genesis_and_the_kept_updates(fleet):
     genesis = tiny_run(codec="topk", fragments=3)
-    learners = fleet(genesis, 2)
-    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 2 for ll in learners), 20, "2 live members")
-    for _ in range(3):
-        for ll in learners:
-            ll.train(10)
-    wait_until(lambda: all(v.version >= 2 for ll in learners for v in ll.learner.labels), 30, "two versions")
+    learners = two_versions_in(fleet, genesis, 2, rounds=3)
     late = LocalLearner(genesis, 2, peers=[learners[0].url])
     start = [late.learner.plan.flatten(p, late.learner.params).clone() for p in range(genesis.spec.fragments)]
     learners.append(late)  # (closed by the fixture)
@@ -176,12 +183,8 @@ def test_a_learner_that_stops_is_dropped_at_the_next_poll_and_a_joiner_then_find
 
 def owner_and_replica(fleet, **run) -> tuple[list[LocalLearner], LocalLearner, LocalLearner, int]:
     """Two learners of a 2-fragment run, two versions in: (both, the owner of p, its replica, p)."""
-    learners = fleet(tiny_run(fragments=2, quorum=2, **run), 2)  # each fragment: one owns it, the other replicates it
-    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 2 for ll in learners), 20, "2 live members")
-    for _ in range(2):
-        for ll in learners:
-            ll.train(10)
-    wait_until(lambda: all(v.version >= 2 for ll in learners for v in ll.learner.labels), 30, "two versions")
+    learners = two_versions_in(fleet, tiny_run(fragments=2, quorum=2, **run), 2)  # each fragment: one owns it,
+    # the other replicates it
     owner = next(ll for ll in learners if ll.learner.swarm.shard.owners)
     return learners, owner, next(ll for ll in learners if ll is not owner), next(iter(owner.learner.swarm.shard.owners))
 
@@ -397,13 +400,7 @@ def owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum: int =
     not the DHT) and is killed. Returns (the replica, which takes p over, the witness, p, that version)."""
     # the watch reads only the DHT here (which never hears of that version): the takeover must find it itself
     monkeypatch.setattr(swarm_mod, "DHT_WATCH_EVERY", 1)
-    genesis = tiny_run(fragments=3, quorum=quorum)
-    learners = fleet(genesis, 3)
-    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 3 for ll in learners), 20, "3 live members")
-    for _ in range(2):
-        for ll in learners:
-            ll.train(10)
-    wait_until(lambda: all(v.version >= 2 for ll in learners for v in ll.learner.labels), 30, "two versions")
+    learners = two_versions_in(fleet, tiny_run(fragments=3, quorum=quorum), 3)
     by_id = {ll.learner.swarm.identity.peer_id: ll for ll in learners}
     gone = next(ll for ll in learners if ll.learner.swarm.shard.owners)
     shard = gone.learner.swarm.shard
