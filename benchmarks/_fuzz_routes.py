@@ -120,7 +120,8 @@ def _get_request(rng: random.Random, peer: LivePeer) -> bytes:
     label = rng.choice([label, "0.0", "1.2", "", ".", "1.", ".1", "9" * 20 + ".0", "0." + "9" * 5000, "a.b"])
     if rng.random() < 0.3:
         label = mutate_bytes(rng, label.encode()).decode("latin-1")
-    path = rng.choice([f"/v1/fragment/{p}", f"/v1/updates/{p}?after={label}", f"/v1/momentum/{p}?label={label}",
+    path = rng.choice([f"/v1/fragment/{p}", f"/v1/fragment/{p}?held={label}", f"/v1/updates/{p}?after={label}",
+                       f"/v1/momentum/{p}?label={label}",
                        "/v1/versions", "/v1/status", f"/v1/updates/{p}?after={label}&after=0.0",
                        f"/v1/updates/{p}", f"/v1/momentum/{p}?label=", "/v1/", "/v1/fragment/", "/"])
     if rng.random() < 0.5:
