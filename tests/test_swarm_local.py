@@ -480,14 +480,27 @@ def miss_the_first_comparison(ll: LocalLearner, times: int = 1) -> list:
     return missed
 
 
+def taken_over_missing_the_witness(fleet, monkeypatch, quorum: int = 2, missed: int = 1, deaf: bool = False):
+    """`owner_dies_after_pushing_only_to_a_witness`, then the replica takes p over with its first `missed`
+    comparisons of versions reaching nobody (`deaf`: nor does a learner's word, a delta based on `last` or a
+    read that says it holds `last`, tell it). Returns
+    (the replica, the witness, p, last, the replica's shard) once the replica owns p below `last`."""
+    replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum=quorum)
+    comparisons = miss_the_first_comparison(replica, times=missed)
+    taken = replica.learner.swarm.shard
+    if deaf:
+        taken._behind = lambda p, owner, sender: None
+        replica.learner.swarm.sync.on_held_above = None
+    wait_until(lambda: p in taken.owners and comparisons and not taken.owners[p].held_back, 20,
+               "the replica to take p over, missing the witness")
+    assert replica.learner.swarm.store.label(p) < last
+    return replica, witness, p, last, taken
+
+
 @pytest.mark.timeout(120)
 def test_an_owner_sent_a_delta_based_on_a_version_it_missed_reaches_that_version_before_stepping(
         fleet, monkeypatch):
-    replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch)
-    missed = miss_the_first_comparison(replica)
-    taken = replica.learner.swarm.shard
-    wait_until(lambda: p in taken.owners and missed, 20, "the replica to take p over, missing the witness")
-    assert replica.learner.swarm.store.label(p) < last
+    replica, witness, p, last, taken = taken_over_missing_the_witness(fleet, monkeypatch)
     for ll in (replica, witness):
         ll.train(10)  # the witness's delta is based on `last`, which the new owner does not hold
     wait_until(lambda: replica.learner.swarm.store.label(p) >= last, 20, "the new owner to reach the last version")
@@ -499,12 +512,7 @@ def test_an_owner_sent_a_delta_based_on_a_version_it_missed_reaches_that_version
 def test_a_new_owner_compares_versions_again_before_replicating_its_first_version(fleet, monkeypatch):
     # quorum 1: the new owner steps on its own delta, from the version before `last`; its takeover's comparison
     # missed the witness, but the one before its first version does not
-    replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum=1)
-    missed = miss_the_first_comparison(replica)
-    taken = replica.learner.swarm.shard
-    taken._behind = lambda p, owner, sender: None
-    wait_until(lambda: p in taken.owners and missed, 20, "the replica to take p over, missing the witness")
-    assert replica.learner.swarm.store.label(p) < last
+    replica, witness, p, last, taken = taken_over_missing_the_witness(fleet, monkeypatch, quorum=1, deaf=True)
     replica.train(10)
     wait_until(lambda: replica.learner.swarm.store.label(p) >= last, 20, "the new owner to reach the last version")
     assert taken.stats["publications_held_for_a_newer_version"] >= 1
@@ -518,13 +526,8 @@ def test_a_joiner_holding_a_version_its_owner_missed_tells_the_owner_which_reach
     # the witness plays a learner relaunched from its journal: its join downloads p from the new owner, which
     # missed `last` at its takeover; nobody trains meanwhile, and the witness's delta still in flight says
     # nothing either: only the joiner's word can bring the owner there
-    replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch)
-    missed = miss_the_first_comparison(replica)
-    taken = replica.learner.swarm.shard
+    replica, witness, p, last, taken = taken_over_missing_the_witness(fleet, monkeypatch)
     taken._behind = lambda p, owner, sender: None
-    wait_until(lambda: p in taken.owners and missed and not taken.owners[p].held_back, 20,
-               "the replica to take p over, missing the witness")
-    assert replica.learner.swarm.store.label(p) < last
     new_owner = replica.learner.swarm.identity.peer_id
     wait_until(lambda: witness.learner.swarm.members.roles(p)[0] == new_owner, 20, "the witness to see the new owner")
     assert on_loop(witness, witness.learner.swarm.sync.sync_all()) == []
@@ -538,12 +541,9 @@ def test_a_replica_holding_a_version_the_owner_missed_refuses_the_fork_and_the_o
         fleet, monkeypatch):
     # quorum 1: the new owner steps on its own delta, from the version before `last`; the witness, its replica
     # now, refuses to hold that version (412) and the owner reaches `last` first
-    replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum=1)
-    missed = miss_the_first_comparison(replica, times=2)  # (the takeover's, and the one before its first version)
-    taken = replica.learner.swarm.shard
-    taken._behind = lambda p, owner, sender: None  # (no witness delta tells the owner either: the replica must)
-    wait_until(lambda: p in taken.owners and missed, 20, "the replica to take p over, missing the witness")
-    assert replica.learner.swarm.store.label(p) < last
+    # (it misses the takeover's comparison and the one before its first version, and no witness delta tells it)
+    replica, witness, p, last, taken = taken_over_missing_the_witness(fleet, monkeypatch, quorum=1, missed=2,
+                                                                      deaf=True)
     replica.train(10)
     wait_until(lambda: replica.learner.swarm.store.label(p) >= last, 20, "the new owner to reach the last version")
     assert taken.stats["publications_refused_base_outdated"] >= 1
