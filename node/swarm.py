@@ -208,6 +208,8 @@ class Swarm:
                 self._loop.call_soon_threadsafe(self._stopping.set)
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():  # (a daemon thread still inside torch at interpreter exit can abort it)
+                log.warning("the swarm thread did not stop within %.0f s; it is left running", timeout)
 
     def drain(self, deadline: float) -> DrainReport:
         """Leave the swarm on purpose by `deadline` (time.monotonic()), the training thread having stopped

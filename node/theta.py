@@ -25,6 +25,7 @@ for is done at once: a bounded stall rather than a delta built on a stale base, 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -41,6 +42,7 @@ from diloco.coordinator.version import Version
 from .niceness import lower_this_thread
 from .swarm import SwarmFailed
 
+log = logging.getLogger(__name__)
 SLICE = 1 << 18  # elements per slice: about 0.3 ms to add or copy on one core (1 ms under load)
 MAX_DEFER = 8  # steps a due fragment may wait for its own moves before they are applied at once
 BUDGET_SHARE = 0.03  # of the step time, spent per step on θ's side of the rebase rule
@@ -171,6 +173,8 @@ class Theta:
         for thread in (self._thread, self._copier):
             if thread is not None:
                 thread.join(timeout=5)
+                if thread.is_alive():
+                    log.warning("θ's %s thread did not stop within 5 s; it is left running", thread.name)
 
     def _take(self, also: Callable[[list[Held]], object] | None = None, wait: bool = True) -> object:
         """The store's changes for θ. `wait=False`: none this step if the store's lock is busy (the loop
