@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +45,17 @@ class Proc:
             new += done
         self.lines += new
         return new
+
+    def keep_reading(self) -> None:
+        """From now on a thread reads the output and drops it, for a child whose output no one reads again: a
+        full pipe would block it in its next `print` or log line (its lines are no longer kept)."""
+        def drop() -> None:
+            with contextlib.suppress(OSError, ValueError):
+                os.set_blocking(self.popen.stdout.fileno(), True)
+                while self.popen.stdout.read(65536):
+                    pass
+
+        threading.Thread(target=drop, daemon=True).start()
 
     def wait_for(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
         """Read output until a line matches `pattern`; fail with what was seen if it never does."""

@@ -71,6 +71,17 @@ def owner_key(run_id: bytes, P: int, others: list[str], tries: int = 2000) -> Id
     return best
 
 
+def outsider_key(run_id: bytes, P: int, others: list[str], roles: int, tries: int = 2000) -> Identity:
+    """A fresh key that `roles` of `others` outrank in at least one fragment: while they are live, that fragment
+    is one it may not own, so its forgeries there are forgeries (a key of a random member owns or replicates
+    every fragment of a small swarm now and then: with 3 others, 2 roles and 4 fragments, 1 run in 16)."""
+    for _ in range(tries):
+        key = Identity.generate()
+        if any(sum(score(run_id, p, o) > score(run_id, p, key.peer_id) for o in others) >= roles for p in range(P)):
+            return key
+    raise RuntimeError(f"no key outranked by {roles} of {len(others)} members in {tries} tries")
+
+
 def post(url: str, route: str, frame: bytes) -> int:
     req = urllib.request.Request(url + route, data=frame, method="POST")
     try:

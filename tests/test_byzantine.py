@@ -17,7 +17,7 @@ from diloco.node.train import new_run
 from diloco.protocol.identity import Identity
 
 from .helpers import Proc, cli
-from .hostile import DELTA_ATTACKS, Hostile, owner_key
+from .hostile import DELTA_ATTACKS, Hostile, outsider_key, owner_key
 from .swarm_utils import get_status, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,6 +42,7 @@ def swarm(tmp_path_factory):
             procs.append(proc)
             proc.wait_for(r'"event": "joined"', timeout=90)
             urls.append(proc.events("joined")[0]["url"])
+            proc.keep_reading()  # (nothing reads its output after this: a full pipe would block it in print)
         wait_until(lambda: all(int(f["version"].split(".")[1]) >= 3 for f in get_status(urls[0])["fragments"]),
                    60, "three versions of every fragment", poll=0.5)
         yield genesis, urls
@@ -74,7 +75,9 @@ def losses(urls: list[str]) -> list[float]:
 def member(swarm):
     """One hostile member for the delta attacks, switched from one to the next."""
     genesis, urls = swarm
-    h = Hostile(genesis, [urls[0]], "none").start()
+    honest = [s["peer_id"] for s in statuses(urls)]  # (the forgeries need a fragment it may not own)
+    key = outsider_key(genesis.spec.run_id, genesis.spec.fragments, honest, 1 + genesis.spec.replicas)
+    h = Hostile(genesis, [urls[0]], "none", identity=key).start()
     wait_until(lambda: len(h.members.live()) == HONEST + 1, 20, "the hostile member in view")
     h.train(20)
     yield h
