@@ -154,23 +154,20 @@ class Shard:
         (its holder did not answer then). Stepping now would fork p; reach it from that learner first. One
         request, at most once per REACH_ON_DELTA_EVERY_S: a member naming bases that do not exist holds no
         step back for long."""
-        now = time.monotonic()
-        if owner.held_back or now - self._behind_at.get(p, float("-inf")) < REACH_ON_DELTA_EVERY_S:
+        if not self._claim_heard(p, owner):
             return
-        self._behind_at[p] = now
         self.stats["reached_after_a_newer_delta"] += 1
         self._reach_before_stepping(p, owner, ask=sender)
 
     def _told_held_above(self, p: int, held: Version) -> None:
-        """A joiner downloading p from us (or a learner asking for the updates after its version) holds a newer version, restored from its journal (docs/architecture.md
-        §5.6): one we never saw, published by p's owner before it died. Its member record may be younger than
-        our last poll, so the comparison at its arrival has not run yet, and our next version would fork p:
-        read the member records now and compare with every live member before stepping. The claim is not
-        signed (a read): at most once per REACH_ON_DELTA_EVERY_S per fragment, like `_behind`."""
-        owner, now = self.owners.get(p), time.monotonic()
-        if owner is None or owner.held_back or now - self._behind_at.get(p, float("-inf")) < REACH_ON_DELTA_EVERY_S:
+        """A joiner downloading p from us (or a learner asking for the updates after its version) holds a newer
+        version, restored from its journal (docs/architecture.md §5.6): one we never saw, published by p's
+        owner before it died. Its member record may be younger than our last poll, so the comparison at its
+        arrival has not run yet, and our next version would fork p: read the member records now and compare
+        with every live member before stepping. The claim is not signed (a read): bounded like `_behind`'s."""
+        owner = self.owners.get(p)
+        if owner is None or not self._claim_heard(p, owner):
             return
-        self._behind_at[p] = now
         self.stats["reached_after_a_joiner_held_above"] += 1
         log.info("fragment %d: a joiner holds %s, above our %s; comparing versions before the next step", p, held,
                  self.store.label(p))
@@ -185,6 +182,15 @@ class Shard:
         finally:  # (a member that arrived: `reassign` compares with it, holding p back until then)
             if not self._live_seen - seen - {self.members.peer_id}:
                 await self._reach_newest([p], once=True)
+
+    def _claim_heard(self, p: int, owner: FragmentOwner) -> bool:
+        """May a claim of a version of p newer than ours start a reach now? Not while one runs, and at most
+        once per REACH_ON_DELTA_EVERY_S per fragment, whoever claims it (deltas and reads alike)."""
+        now = time.monotonic()
+        if owner.held_back or now - self._behind_at.get(p, float("-inf")) < REACH_ON_DELTA_EVERY_S:
+            return False
+        self._behind_at[p] = now
+        return True
 
     def _reach_before_stepping(self, p: int, owner: FragmentOwner, ask: str | None = None) -> None:
         if self.owners.get(p) is owner:

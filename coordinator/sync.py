@@ -323,8 +323,8 @@ class FragmentSync:
     async def _from_genesis(self, p: int, url: str) -> bool:
         """A joiner's fragment p as its own Θ^(0) (`genesis`: its model, built from the run's seed) plus the
         owner's kept updates since 0.0, when the owner keeps them all: a few compressed updates instead of the
-        fp32 fragment (a sparse run keeps ~5 updates of 4 merged deltas). True when done, or when the owner is still at 0.0 (p stays unset,
-        as after a 404 for the fragment); False, for a download, when the owner does not keep them or the
+        fp32 fragment (a sparse run keeps ~5 updates of 4 merged deltas). True when done, or when the owner is
+        still at 0.0 (p stays unset, as after a 404 for the fragment); False, for a download, when the owner does not keep them or the
         result does not land on the last update's digest (a model not built from the seed)."""
         frames = await self._kept_updates(p, url, GENESIS)
         if frames is None:

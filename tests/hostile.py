@@ -25,12 +25,14 @@ import struct
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
 from diloco.coordinator.authority import TERM_MAX, TERM_SLOTS, next_term, term_slot
 from diloco.coordinator.fragments import anchor_digest
-from diloco.coordinator.ownership import score
+from diloco.coordinator.ownership import owners
 from diloco.coordinator.runspec import Genesis
 from diloco.coordinator.version import Version
 from diloco.coordinator.wire import (
@@ -57,29 +59,32 @@ OWNER_ATTACKS = ("owner_scaled", "owner_noise", "owner_flip")
 ATTACKS = DELTA_ATTACKS + FORGERIES + OWNER_ATTACKS
 
 
-def owner_key(run_id: bytes, P: int, others: list[str], tries: int = 2000) -> Identity:
-    """A fresh key that the rendezvous (docs/protocol.md §7.5) ranks above every one of `others` for at least
-    one fragment: what any member can do by generating keys, since it publishes its own member record."""
-    best = None
+def _key_placed(run_id: bytes, P: int, others: list[str], placed: Callable[[int], bool],
+                tries: int) -> Identity | None:
+    """A fresh key whose place among `others` in the rendezvous ranking (docs/protocol.md §7.5; 0: the owner) of
+    at least one fragment satisfies `placed`; None after `tries` keys."""
     for _ in range(tries):
         key = Identity.generate()
-        won = sum(score(run_id, p, key.peer_id) > max((score(run_id, p, o) for o in others), default=-1)
-                  for p in range(P))
-        if won:
+        members = [SimpleNamespace(peer_id=peer, client_mode=False) for peer in [*others, key.peer_id]]
+        if any(placed(owners(run_id, p, members, replicas=len(others)).index(key.peer_id)) for p in range(P)):
             return key
-        best = best or key
-    return best
+    return None
+
+
+def owner_key(run_id: bytes, P: int, others: list[str], tries: int = 2000) -> Identity:
+    """A fresh key that the rendezvous ranks above every one of `others` for at least one fragment: what any
+    member can do by generating keys, since it publishes its own member record (a random key if none does)."""
+    return _key_placed(run_id, P, others, lambda place: place == 0, tries) or Identity.generate()
 
 
 def outsider_key(run_id: bytes, P: int, others: list[str], roles: int, tries: int = 2000) -> Identity:
     """A fresh key that `roles` of `others` outrank in at least one fragment: while they are live, that fragment
     is one it may not own, so its forgeries there are forgeries (a key of a random member owns or replicates
     every fragment of a small swarm now and then: with 3 others, 2 roles and 4 fragments, 1 run in 16)."""
-    for _ in range(tries):
-        key = Identity.generate()
-        if any(sum(score(run_id, p, o) > score(run_id, p, key.peer_id) for o in others) >= roles for p in range(P)):
-            return key
-    raise RuntimeError(f"no key outranked by {roles} of {len(others)} members in {tries} tries")
+    key = _key_placed(run_id, P, others, lambda place: place >= roles, tries)
+    if key is None:
+        raise RuntimeError(f"no key outranked by {roles} of {len(others)} members in {tries} tries")
+    return key
 
 
 def post(url: str, route: str, frame: bytes) -> int:
