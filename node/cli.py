@@ -344,10 +344,21 @@ def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ..
     try:
         with join_view(opts, _log_format()):  # (a terminal: a live view; else the lines emit prints)
             train(genesis, identity, cfg, opts)
+        if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
+            _exit_rank()
     except (JoinError, SyncTimeout, DrainIncomplete) as e:
         raise UserError(str(e)) from None
     except CorpusError as e:
         raise UserError(f"--data {data}: {e}" if data else f"the run's task {genesis.spec.task}: {e}") from None
+
+
+def _exit_rank() -> None:
+    """A torchrun rank whose join finished (checkpoint written, process group destroyed) ends here, skipping
+    the interpreter's finalization: there, an FSDP2 rank now and then aborted a finished job ("terminate called
+    without an active exception": torch's threads torn down with the interpreter; README, Chaos)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _log_format() -> str:
