@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -46,16 +47,19 @@ class Proc:
         self.lines += new
         return new
 
-    def keep_reading(self) -> None:
-        """From now on a thread reads the output and drops it, for a child whose output no one reads again: a
-        full pipe would block it in its next `print` or log line (its lines are no longer kept)."""
-        def drop() -> None:
+    def keep_reading(self, keep: int = 400) -> None:
+        """From now on a thread reads the output, for a child whose output no one waits on again: a full pipe
+        would block it in its next `print` or log line. Only its last `keep` lines are kept (`tail`), for a
+        failing test to show."""
+        self.tail: collections.deque[str] = collections.deque(self.lines[-keep:], maxlen=keep)
+
+        def read() -> None:
             with contextlib.suppress(OSError, ValueError):
                 os.set_blocking(self.popen.stdout.fileno(), True)
-                while self.popen.stdout.read(65536):
-                    pass
+                for raw in self.popen.stdout:
+                    self.tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
 
-        threading.Thread(target=drop, daemon=True).start()
+        threading.Thread(target=read, daemon=True).start()
 
     def wait_for(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
         """Read output until a line matches `pattern`; fail with what was seen if it never does."""

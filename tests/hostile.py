@@ -59,14 +59,15 @@ OWNER_ATTACKS = ("owner_scaled", "owner_noise", "owner_flip")
 ATTACKS = DELTA_ATTACKS + FORGERIES + OWNER_ATTACKS
 
 
-def _key_placed(run_id: bytes, P: int, others: list[str], placed: Callable[[int], bool],
-                tries: int) -> Identity | None:
+def _key_placed(run_id: bytes, P: int, others: list[str], placed: Callable[[int], bool], tries: int,
+                every: bool = False) -> Identity | None:
     """A fresh key whose place among `others` in the rendezvous ranking (docs/protocol.md §7.5; 0: the owner) of
-    at least one fragment satisfies `placed`; None after `tries` keys."""
+    at least one fragment (`every`: of every fragment) satisfies `placed`; None after `tries` keys."""
     for _ in range(tries):
         key = Identity.generate()
         members = [SimpleNamespace(peer_id=peer, client_mode=False) for peer in [*others, key.peer_id]]
-        if any(placed(owners(run_id, p, members, replicas=len(others)).index(key.peer_id)) for p in range(P)):
+        places = (placed(owners(run_id, p, members, replicas=len(others)).index(key.peer_id)) for p in range(P))
+        if (all if every else any)(places):
             return key
     return None
 
@@ -78,12 +79,13 @@ def owner_key(run_id: bytes, P: int, others: list[str], tries: int = 2000) -> Id
 
 
 def outsider_key(run_id: bytes, P: int, others: list[str], roles: int, tries: int = 2000) -> Identity:
-    """A fresh key that `roles` of `others` outrank in at least one fragment: while they are live, that fragment
-    is one it may not own, so its forgeries there are forgeries (a key of a random member owns or replicates
-    every fragment of a small swarm now and then: with 3 others, 2 roles and 4 fragments, 1 run in 16)."""
-    key = _key_placed(run_id, P, others, lambda place: place >= roles, tries)
+    """A fresh key that `roles` of `others` outrank in every fragment: while they are live it may neither own nor
+    replicate any, so its forgeries are forgeries and its hostile deltas reach honest owners only (a random
+    member's key owns a fragment of a small swarm now and then: its own ×1000 delta merged into an update that
+    honest replicas then rightly refuse, and it replicates every fragment in 1 run of 16)."""
+    key = _key_placed(run_id, P, others, lambda place: place >= roles, tries, every=True)
     if key is None:
-        raise RuntimeError(f"no key outranked by {roles} of {len(others)} members in {tries} tries")
+        raise RuntimeError(f"no key outranked by {roles} of {len(others)} members in every fragment in {tries} tries")
     return key
 
 

@@ -55,6 +55,16 @@ def swarm():
                 ll.learner.swarm.sync.reported for ll in peers)  # (the watch asked the other for versions)
 
         wait_until(settled, 30, "both peers to hold the same versions, and to have asked each other")
+        # and nothing still moving (a delta or a step in flight): the test compares a scrape with live counters
+        last: list = []
+
+        def still() -> bool:
+            now = [(ll.learner.labels, list(ll.learner.swarm.shard.outer_steps), ll.learner.swarm.sync.stats["deltas_sent"])
+                   for ll in peers]
+            was, last[:] = list(last), now
+            return was == now
+
+        wait_until(still, 30, "the counters to stay still for a second", poll=1.0)
         yield genesis, peers
     finally:
         for ll in peers:

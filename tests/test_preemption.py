@@ -127,15 +127,18 @@ def _version(text: str) -> tuple[int, int]:
 
 
 def settled_owner(urls: list[str], candidates: list[int]) -> tuple[int, dict, list[dict]]:
-    """Once every learner's view agrees on the roles, every learner is a candidate and every fragment has
-    versions: the learner among `candidates` that owns the most fragments, its PeerId -> index map, and the
-    statuses."""
+    """Once every learner sees every other, their views agree on the roles and every fragment has versions: the
+    learner among `candidates` that owns the most fragments, its PeerId -> index map, and the statuses.
+    (A learner may hold no role at all: the keys are random, and 3 learners rank for 4 fragments.)"""
     found: dict = {}
 
     def agreed() -> bool:
         st = [get_status(u) for u in urls]
+        ids = {s["peer_id"] for s in st}
+        if any({m["peer_id"] for m in s["members"]} | {s["peer_id"]} != ids for s in st):
+            return False
         roles = [[fr["roles"] for fr in s["fragments"]] for s in st]
-        if any(r != roles[0] for r in roles) or len({x for r in roles[0] for x in r}) < len(urls):
+        if any(r != roles[0] for r in roles):
             return False
         if not all(_version(fr["version"])[1] >= 2 for fr in st[0]["fragments"]):
             return False

@@ -100,26 +100,32 @@ def train_until_published(nodes: list[LocalLearner], rounds: int = 2, timeout: f
             n.train(5)
 
 
-def two_learners(private: bool, relay: RelayThread):
+def two_learners(private: bool, *relays: RelayThread):
+    """Two learners of a private run; the i-th relay, if given, fronts learner i (its announced address)."""
     genesis = tiny_run(quorum=2, membership="allowlist", allowlist=[k.public_key for k in KEYS])
     scheme = "https" if private else "http"
-    a = LocalLearner(genesis, 0, learner_kw={"identity": KEYS[0]}, port=relay.target, private=private,
-                     announce=f"{scheme}://127.0.0.1:{relay.port}").start()
-    b = LocalLearner(genesis, 1, [a.url], learner_kw={"identity": KEYS[1]}, private=private).start()
-    return genesis, [a, b]
+    nodes: list[LocalLearner] = []
+    for i, key in enumerate(KEYS):
+        fronted = {"port": relays[i].target, "announce": f"{scheme}://127.0.0.1:{relays[i].port}"} \
+            if i < len(relays) else {}
+        nodes.append(LocalLearner(genesis, i, [nodes[0].url] if nodes else None, learner_kw={"identity": key},
+                                  private=private, **fronted).start())
+    return genesis, nodes
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("private", [True, False], ids=["private", "open-control"])
 def test_the_bytes_between_two_learners_of_a_private_run_hold_no_tensor_data(private):
-    relay = RelayThread()
+    # a relay in front of each learner: every byte either sends the other passes one (with one, the control
+    # captured no update when the unfronted learner owned no fragment: the other pushed it its updates directly)
+    relays = [RelayThread(), RelayThread()]
     nodes = []
     try:
-        genesis, nodes = two_learners(private, relay)
+        genesis, nodes = two_learners(private, *relays)
         assert nodes[0].learner.swarm.url.startswith("https" if private else "http")
         wait_until(lambda: all(len(n.learner.swarm.members.live()) == 2 for n in nodes), 30, "2 live members")
         train_until_published(nodes)
-        captured = bytes(relay.relay.captured)
+        captured = b"".join(bytes(r.relay.captured) for r in relays)
         windows = [w for n in nodes for blob in update_payloads(n) for i in range(0, len(blob) - 32, 97)
                    if (w := blob[i : i + 32]).count(0) < 16]
         assert len(windows) > 100, len(windows)
@@ -131,7 +137,8 @@ def test_the_bytes_between_two_learners_of_a_private_run_hold_no_tensor_data(pri
     finally:
         for n in nodes:
             n.learner.close()
-        relay.close()
+        for r in relays:
+            r.close()
 
 
 @pytest.mark.timeout(120)

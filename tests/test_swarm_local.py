@@ -1,6 +1,7 @@
 """Learners in one process (one swarm thread each): the fragment protocol end to end, fast."""
 
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -395,9 +396,11 @@ async def _release(shard, p: int, roles: list[str]) -> None:
     shard._release(p, roles)
 
 
-def owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum: int = 2):
+def owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum: int = 2,
+                                               before_kill: Callable[[LocalLearner], None] | None = None):
     """Three learners; the owner of p publishes one more version that reaches a witness (not p's replica, and
-    not the DHT) and is killed. Returns (the replica, which takes p over, the witness, p, that version)."""
+    not the DHT) and is killed (`before_kill(replica)` runs just before: its takeover may start while the
+    killed learner is still closing). Returns (the replica, which takes p over, the witness, p, that version)."""
     # the watch reads only the DHT here (which never hears of that version): the takeover must find it itself
     monkeypatch.setattr(swarm_mod, "DHT_WATCH_EVERY", 1)
     learners = two_versions_in(fleet, tiny_run(fragments=3, quorum=quorum), 3)
@@ -435,6 +438,8 @@ def owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum: int =
         pass
 
     gone.learner.swarm.members.withdraw = killed
+    if before_kill is not None:
+        before_kill(replica)
     gone.learner.close()
     return replica, witness, p, witness.learner.labels[p]
 
@@ -485,12 +490,18 @@ def taken_over_missing_the_witness(fleet, monkeypatch, quorum: int = 2, missed: 
     comparisons of versions reaching nobody (`deaf`: nor does a learner's word, a delta based on `last` or a
     read that says it holds `last`, tell it). Returns
     (the replica, the witness, p, last, the replica's shard) once the replica owns p below `last`."""
-    replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum=quorum)
-    comparisons = miss_the_first_comparison(replica, times=missed)
+    missing: dict[str, list] = {}
+
+    def miss(replica: LocalLearner) -> None:
+        missing["comparisons"] = miss_the_first_comparison(replica, times=missed)
+        if deaf:
+            replica.learner.swarm.shard._behind = lambda p, owner, sender: None
+            replica.learner.swarm.sync.on_held_above = None
+
+    replica, witness, p, last = owner_dies_after_pushing_only_to_a_witness(fleet, monkeypatch, quorum=quorum,
+                                                                           before_kill=miss)
+    comparisons = missing["comparisons"]
     taken = replica.learner.swarm.shard
-    if deaf:
-        taken._behind = lambda p, owner, sender: None
-        replica.learner.swarm.sync.on_held_above = None
     wait_until(lambda: p in taken.owners and comparisons and not taken.owners[p].held_back, 20,
                "the replica to take p over, missing the witness")
     assert replica.learner.swarm.store.label(p) < last
