@@ -316,6 +316,7 @@ def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ..
     from .swarm import JoinError
     from .tasks import CorpusError
     from .train import TrainOptions, train
+    from .train_ranks import world_size
 
     genesis = _load_run(run_path)
     if device == "cuda":
@@ -323,7 +324,7 @@ def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ..
 
         if not torch.cuda.is_available():
             raise UserError("--device cuda, but torch sees no CUDA device")
-    if fsdp and os.environ.get("WORLD_SIZE", "1") in ("", "0", "1"):
+    if fsdp and world_size() == 1:
         raise UserError("--fsdp shards the model over torchrun's ranks: start join under "
                         "`torchrun --nproc-per-node N -m diloco.node join ...`")
     cfg = _swarm_config(listen, announce, peers, client_mode, region, fast_membership, wait_for_peers,
@@ -344,7 +345,7 @@ def join(run_path: Path, listen: str, announce: str | None, peers: tuple[str, ..
     try:
         with join_view(opts, _log_format()):  # (a terminal: a live view; else the lines emit prints)
             train(genesis, identity, cfg, opts)
-        if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
+        if world_size() > 1:
             _exit_rank()
     except (JoinError, SyncTimeout, DrainIncomplete) as e:
         raise UserError(str(e)) from None

@@ -26,6 +26,7 @@ class Proc:
             args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, cwd=REPO
         )
         self.lines: list[str] = []
+        self.tail: collections.deque[str] | None = None  # the last lines, once `keep_reading` reads them
         self._buf = ""
         self._checked = 0
 
@@ -51,7 +52,7 @@ class Proc:
         """From now on a thread reads the output, for a child whose output no one waits on again: a full pipe
         would block it in its next `print` or log line. Only its last `keep` lines are kept (`tail`), for a
         failing test to show."""
-        self.tail: collections.deque[str] = collections.deque(self.lines[-keep:], maxlen=keep)
+        self.tail = collections.deque(self.lines[-keep:], maxlen=keep)
 
         def read() -> None:
             with contextlib.suppress(OSError, ValueError):
@@ -60,6 +61,10 @@ class Proc:
                     self.tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
 
         threading.Thread(target=read, daemon=True).start()
+
+    def last_lines(self) -> list[str]:
+        """What it printed lately: `tail` once `keep_reading` started, else every line read so far."""
+        return list(self.tail) if self.tail is not None else self.lines
 
     def wait_for(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
         """Read output until a line matches `pattern`; fail with what was seen if it never does."""

@@ -81,8 +81,8 @@ def owner_key(run_id: bytes, P: int, others: list[str], tries: int = 2000) -> Id
 def outsider_key(run_id: bytes, P: int, others: list[str], roles: int, tries: int = 2000) -> Identity:
     """A fresh key that `roles` of `others` outrank in every fragment: while they are live it may neither own nor
     replicate any, so its forgeries are forgeries and its hostile deltas reach honest owners only (a random
-    member's key owns a fragment of a small swarm now and then: its own ×1000 delta merged into an update that
-    honest replicas then rightly refuse, and it replicates every fragment in 1 run of 16)."""
+    member's key owns or replicates some fragment of a small swarm most of the time, and every one in 1 run of
+    16: then it had nothing to forge in, and as an owner it would merge its own hostile deltas)."""
     key = _key_placed(run_id, P, others, lambda place: place >= roles, tries, every=True)
     if key is None:
         raise RuntimeError(f"no key outranked by {roles} of {len(others)} members in every fragment in {tries} tries")

@@ -28,7 +28,7 @@ LEARNERS: list[Proc] = []  # the honest learner processes of the module's swarm
 def warned() -> str:
     """The warnings the honest learners logged lately (refusals, distrust): what a failed assertion shows."""
     return "\n".join(f"learner {i}: {line}" for i, proc in enumerate(LEARNERS)
-                     for line in list(getattr(proc, "tail", proc.lines)) if "WARNING" in line or "ERROR" in line)
+                     for line in proc.last_lines() if "WARNING" in line or "ERROR" in line)
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,8 @@ def _status_of(url: str) -> int:
 def test_routes_answer_400_to_a_number_that_is_not_ascii_digits(alone):
     url = alone().url
     for path in ["/v1/fragment/%C2%B2", "/v1/fragment/%D9%A3", "/v1/fragment/" + "1" * 5000, "/v1/fragment/9",
-                 "/v1/fragment/0?held=%D9%A1.0", "/v1/fragment/0?held=1", "/v1/updates/%D9%A3?after=0.0", "/v1/updates/0?after=%D9%A1.%D9%A0", "/v1/updates/0?after=1",
+                 "/v1/fragment/0?held=%D9%A1.0", "/v1/fragment/0?held=1",
+                 "/v1/updates/%D9%A3?after=0.0", "/v1/updates/0?after=%D9%A1.%D9%A0", "/v1/updates/0?after=1",
                  "/v1/momentum/%C2%B2?label=0.0", "/v1/momentum/0?label=%D9%A1.0", "/v1/momentum/0"]:
         assert _status_of(url + path) == 400, path
     assert _status_of(url + "/v1/momentum/0?label=0.0") == 404  # well formed: nothing held of that version
