@@ -51,7 +51,7 @@ from diloco.protocol.envelope import join_bytes, seal
 from diloco.protocol.identity import Identity
 from diloco.protocol.transport import RemoteError, TransportError
 
-from .swarm_utils import LocalLearner
+from .swarm_utils import LocalLearner, urlopen_within_conn_rate
 
 DELTA_ATTACKS = ("nan", "inf", "scale1000", "sign_flip", "noise", "inflated_tokens", "no_such_fragment", "duplicate")
 FORGERIES = ("forged_update", "top_of_range")
@@ -92,7 +92,7 @@ def outsider_key(run_id: bytes, P: int, others: list[str], roles: int, tries: in
 def post(url: str, route: str, frame: bytes) -> int:
     req = urllib.request.Request(url + route, data=frame, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urlopen_within_conn_rate(req, timeout=10) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code

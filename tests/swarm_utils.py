@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 
@@ -66,6 +67,23 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, poll: float 
     raise AssertionError(f"waited {timeout:.0f}s for {what}")
 
 
+def urlopen_within_conn_rate(req: urllib.request.Request | str, timeout: float = 10, tries: int = 25):
+    """`urllib.request.urlopen`, a new connection per request. Every test client shares 127.0.0.1 with the
+    peers and hostile members of a test, and a peer closes a new connection unanswered past its address's
+    connection-rate burst (protocol/limits.py: a client is expected to pool them): such a refusal is retried
+    after a pause, as a bucket refills, up to `tries` times. A peer that is gone refuses the connection instead."""
+    for _ in range(tries - 1):
+        try:
+            return urllib.request.urlopen(req, timeout=timeout)
+        except urllib.error.HTTPError:
+            raise
+        except (ConnectionResetError, urllib.error.URLError) as e:
+            if not isinstance(e, ConnectionResetError) and not isinstance(e.reason, ConnectionResetError):
+                raise
+            time.sleep(0.2)
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
 def get_status(url: str) -> dict:
-    with urllib.request.urlopen(url + "/v1/status", timeout=5) as r:
+    with urlopen_within_conn_rate(url + "/v1/status", timeout=5) as r:
         return json.loads(r.read())
