@@ -94,6 +94,7 @@ def summarize(run: FleetRun, fragments: int, nominal: dict[int, float]) -> dict[
     rollback = run.mode == "sync"
     incs = run.incarnations
     finals = [i.final_eval_loss for i in incs if i.final_eval_loss is not None and i.ended_by == "finished"]
+    allocated = gp.allocated_s(incs, run.ended_at)
     return {
         "goodput": round(gp.goodput(incs, fragments, nominal, run.ended_at, rollback), 4),
         "final_eval_loss": round(statistics.fmean(finals), 4) if finals else None,
@@ -106,7 +107,8 @@ def summarize(run: FleetRun, fragments: int, nominal: dict[int, float]) -> dict[
         "aborts": run.aborts,
         "unexpected_exits": run.unexpected_exits,
         "merged_steps": round(sum(gp.merged_steps(incs, fragments, rollback).values()), 1),
-        "allocated_s": round(sum(gp.allocated_s(incs, run.ended_at).values()), 1),
+        "allocated_s": round(sum(allocated.values()), 1),
+        "allocated_s_by_slot": {str(k): round(v, 1) for k, v in sorted(allocated.items())},
         "restart_s": round(restart_s(run), 2),
     }
 

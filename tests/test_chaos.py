@@ -23,6 +23,17 @@ def _assert_invariants(mode: dict) -> None:
     assert mode["unexpected_exits"] == 0, "a learner died on its own (see its log in the output folder)"
 
 
+def _assert_goodput_counted_within_the_pace(mode: dict, opts: ChaosOptions) -> None:
+    """Goodput divides by the rate the calibration measured; a loaded machine can measure it low there and
+    give the fleet more CPU later (a killed learner's share, a neighbour's job done), so goodput itself may
+    pass 1 without anything miscounted. What no counting can pass is the pace: no learner steps faster than
+    `pace_s` × its slowdown, so the merged steps stay within allocated time × that rate."""
+    by_slot = mode["allocated_s_by_slot"]
+    ceiling = sum(a / (opts.pace_s * opts.stragglers.get(int(s), 1.0)) for s, a in by_slot.items())
+    assert len(by_slot) == opts.peers and 0 < mode["merged_steps"] <= 1.02 * ceiling, (mode, ceiling)
+    assert mode["merged_tokens"] > 0
+
+
 @pytest.mark.timeout(120)
 def test_a_short_decoupled_chaos_run_restarts_killed_learners_and_keeps_every_invariant(tmp_path):
     opts = ChaosOptions(peers=3, minutes=0.4, mtbf_s=15.0, downtime_s=1.0, seed=1, out=tmp_path, calibrate_s=8.0,
@@ -33,7 +44,8 @@ def test_a_short_decoupled_chaos_run_restarts_killed_learners_and_keeps_every_in
     mode = result["decoupled"]
     assert mode["failures"] >= 2, "the schedule killed fewer than two learners"
     _assert_invariants(mode)
-    assert 0.3 < mode["goodput"] <= 1.05 and mode["merged_tokens"] > 0
+    assert mode["goodput"] > 0.3
+    _assert_goodput_counted_within_the_pace(mode, opts)
     events = [json.loads(line) for line in (tmp_path / "decoupled" / "events.jsonl").read_text().splitlines()]
     assert any(e["event"] == "fault" and e["owner_of"] is not None for e in events), "no owner was killed"
     assert sum(e["event"] == "launch" for e in events) > opts.peers, "killed learners were restarted"
@@ -56,7 +68,8 @@ def test_a_short_chaos_run_keeps_every_invariant_in_both_modes(tmp_path):
         assert set(RESULT_KEYS) <= set(mode)
         assert mode["failures"] >= 1, "the schedule killed nobody"
         _assert_invariants(mode)
-        assert 0 < mode["goodput"] <= 1.05 and mode["merged_tokens"] > 0
+        assert mode["goodput"] > 0
+        _assert_goodput_counted_within_the_pace(mode, opts)
     assert result["sync"]["aborts"] == result["sync"]["failures"], "every sync failure rolls the whole job back"
     events = [json.loads(line) for line in (tmp_path / "decoupled" / "events.jsonl").read_text().splitlines()]
     kills = [e for e in events if e["event"] == "kill" and e["why"] == "fault"]
