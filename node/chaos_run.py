@@ -90,6 +90,16 @@ def nominal_rates(run: FleetRun, warmup_s: float = 3.0) -> dict[int, float]:
     return rates
 
 
+def short_of_pace(nominal: dict[int, float], pace_s: float, slowdown: dict[int, float],
+                  share: float = 0.9) -> dict[int, float]:
+    """Slot -> the share of its pace (1 / (pace_s × its slowdown) steps/s) that it held in the calibration,
+    for the slots below `share` of it: the machine was short of CPU then. Goodput divides by the calibration's
+    rate, so if the fleet later gets more CPU than the calibration had, goodput passes 1 without anything
+    miscounted."""
+    held = {slot: rate * pace_s * slowdown.get(slot, 1.0) for slot, rate in nominal.items()}
+    return {slot: h for slot, h in sorted(held.items()) if h < share}
+
+
 def summarize(run: FleetRun, fragments: int, nominal: dict[int, float]) -> dict[str, Any]:
     rollback = run.mode == "sync"
     incs = run.incarnations
@@ -261,6 +271,9 @@ def run_chaos(opts: ChaosOptions, say: Callable[[str], None] = print) -> dict[st
     if len(nominal) != opts.peers:
         raise RuntimeError(f"calibration measured {len(nominal)} of {opts.peers} learners; see {out / 'standalone'}")
     say("nominal steps/s: " + ", ".join(f"{r:.2f}" for _, r in sorted(nominal.items())))
+    for slot, held in short_of_pace(nominal, opts.pace_s, opts.stragglers).items():
+        say(f"warning: learner {slot} held {held:.0%} of its pace in the calibration (the machine is short of "
+            f"CPU); goodput is measured against that rate, and reads high if the fleets get more CPU later")
 
     forecasts = {mode: forecast(opts, calib, nominal, mode) for mode in modes}  # before any fleet runs
     say("predicted goodput: " + ", ".join(f"{m} {f['predicted_goodput']:.3f}" for m, f in forecasts.items()))

@@ -287,3 +287,12 @@ def test_the_prediction_uses_only_what_is_known_before_the_run():
             replays.append(replay(sim_mode, 4, [[x.at for x in faults if x.slot == s] for s in range(4)], params))
         assert f["predicted_goodput"] == pytest.approx(statistics.fmean(replays), abs=tolerance)
     assert forecast(ChaosOptions(peers=3, mtbf_s=0.0), calib, nominal, "decoupled")["predicted_goodput"] > 0.99
+
+
+def test_a_calibration_that_could_not_hold_the_pace_is_named():
+    from diloco.node.chaos_run import short_of_pace
+
+    # pace 0.12 s: 8.33 steps/s; learner 1 is a 1.5× straggler (5.56 steps/s is its whole pace)
+    nominal = {0: 8.2, 1: 5.5, 2: 6.0}
+    assert short_of_pace(nominal, 0.12, {1: 1.5}) == {2: pytest.approx(0.72)}
+    assert short_of_pace({0: 8.3, 1: 5.6}, 0.12, {1: 1.5}) == {}
