@@ -30,7 +30,7 @@ from .audit import AuditFailed, Auditor, RefusedUpdate, UpdateGuard, checkable
 from .fragments import Encoded, FragmentStore
 from .membership import Membership
 from .runspec import RunSpec
-from .sync import STATEFUL_POST_FLOOR_S
+from .send import STATEFUL_POST_FLOOR_S
 from .version import Version
 from .wire import (
     ACCUSE,

@@ -34,7 +34,7 @@ import torch
 from diloco.protocol.envelope import Envelope
 from diloco.protocol.transport import RemoteError, TransportError
 
-from .sync import STATEFUL_POST_FLOOR_S
+from .send import STATEFUL_POST_FLOOR_S
 from .version import GENESIS, Version
 from .wire import ROUTE_DELTA, DeltaFields
 

@@ -32,7 +32,8 @@ from .buffers import BufferPool
 from .fragments import DigestMismatch, Encoded, FragmentStore, anchor_digest
 from .membership import Membership
 from .runspec import RunSpec
-from .sync import STATEFUL_POST_FLOOR_S, FragmentSync
+from .send import STATEFUL_POST_FLOOR_S
+from .sync import FragmentSync
 from .version import Version
 from .wire import (
     MAX_AUDITED_DELTAS,

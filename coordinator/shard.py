@@ -37,7 +37,8 @@ from .owner import FragmentOwner, OwnerSettings, PendingDelta, Publication
 from .plan import FragmentPlan
 from .replication import ReplicaAhead, Replication, fp32_copy
 from .runspec import RunSpec
-from .sync import STATEFUL_POST_FLOOR_S, FragmentSync
+from .send import STATEFUL_POST_FLOOR_S
+from .sync import FragmentSync
 from .takeover import Takeover
 from .version import GENESIS, Version
 from .wire import (
@@ -119,7 +120,7 @@ class Shard:
                                  self.owners, self.stats, self._spawn)
         self.takeover.stepping = self._stepping.__contains__
         self.draining = ShardDrain(self)  # this peer's leaving on purpose (`drain`)
-        sync.on_local_delta = self.accept_delta
+        sync.deltas.on_local_delta = self.accept_delta
         sync.on_held_above = self._told_held_above
         membership.on_change.append(self.reassign)
 

@@ -1,5 +1,5 @@
-"""Keeping anchors current, the holder's side: receive updates, serve versions, fetch what is missing, and
-send this learner's deltas to the owners (docs/architecture.md §5.2, §5.4, §5.5, §6.5).
+"""Keeping anchors current, the holder's side: receive updates, serve versions, fetch what is missing
+(docs/architecture.md §5.2, §5.4, §5.5, §6.5). This learner's deltas go out through `send.DeltaSender`.
 
 Every version that reaches the store is checked against the owner's certificate: an update must land on the
 bytes the owner certified (`digest`), a downloaded fragment must hash to it. Updates and certificates are
@@ -20,8 +20,8 @@ import torch
 from aiohttp import web
 
 from diloco.protocol import canonical
-from diloco.protocol.codecs import Codec, ErrorFeedback, l2_norm
-from diloco.protocol.envelope import Envelope, EnvelopeVerifier, parse_header, seal
+from diloco.protocol.codecs import Codec, l2_norm
+from diloco.protocol.envelope import Envelope, EnvelopeVerifier
 from diloco.protocol.errors import Malformed, PeerUnreachable, ProtocolError, StaleVersion
 from diloco.protocol.identity import Identity, peer_id_of
 from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, TransportError
@@ -30,19 +30,17 @@ from .audit import UpdateGuard
 from .authority import Unauthorized, check_update
 from .buffers import BufferPool
 from .distrust import Distrust
-from .fragments import KEEP_UPDATES, DigestMismatch, Encoded, FragmentStore, Move, anchor_digest
+from .fragments import KEEP_UPDATES, DigestMismatch, Encoded, FragmentStore, anchor_digest
 from .membership import Membership
 from .runspec import RunSpec
+from .send import DeltaSender
 from .version import GENESIS, Version
 from .wire import (
-    DELTA,
-    ROUTE_DELTA,
     ROUTE_FRAGMENT,
     ROUTE_UPDATE,
     ROUTE_UPDATES,
     ROUTE_VERSIONS,
     UPDATE,
-    DeltaFields,
     FragmentReader,
     FragRecord,
     UpdateFields,
@@ -59,10 +57,6 @@ from .wire import (
 
 log = logging.getLogger(__name__)
 DIGEST_EVERY = 4
-# Swarm messages that change state (deltas, updates, replication) wait at least this long for an answer. A
-# peer busy with an outer step on a loaded machine answers late, and an envelope timed out may still have
-# been taken: a delta sent again after it would be counted twice. A dead peer refuses the connection at once.
-STATEFUL_POST_FLOOR_S = 5.0
 
 
 class VersionJournal(Protocol):
@@ -78,7 +72,8 @@ class VersionJournal(Protocol):
 
 
 class FragmentSync:
-    """Anchors in, deltas out. One per peer; `server` is None for a client-mode learner."""
+    """Anchors in (and, through `deltas`, this learner's deltas out). One per peer; `server` is None for a
+    client-mode learner."""
 
     def __init__(
         self,
@@ -96,7 +91,6 @@ class FragmentSync:
         self.codec = codec
         self.P = len(store)
         self.verifier = EnvelopeVerifier(spec.run_id, is_member=spec.is_member, kinds={UPDATE})
-        self.feedback = ErrorFeedback(codec) if spec.error_feedback else None
         self.stats: collections.Counter[str] = collections.Counter()
         self.versions_accepted = 0
         self.regressions = 0
@@ -105,9 +99,6 @@ class FragmentSync:
         self.reported: dict[str, list[Version]] = {}
         self.announced: list[tuple[Version, str] | None] = [None] * self.P
         self._catching_up: dict[int, asyncio.Task] = {}
-        self._encoding: collections.defaultdict[int, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
-        # Set by the shard: a delta for a fragment this peer owns is handed over without the network.
-        self.on_local_delta: Callable[[Envelope], None] | None = None
         # Set by the shard: a peer fetching fragment p holds a version above ours (`_told_held`)
         self.on_held_above: Callable[[int, Version], None] | None = None
         self.journal: VersionJournal | None = None  # set by the learner when it keeps checkpoints
@@ -116,6 +107,8 @@ class FragmentSync:
         # the checks of an owner's work this learner can make (coordinator/audit.py)
         self.guard = UpdateGuard(membership.peer_id, lambda peer: self.distrust.distrusted(peer), self.stats)
         self.distrust = Distrust(self)
+        self.deltas = DeltaSender(identity, spec, store, membership, client, codec, self.pool, self.guard,
+                                  self.stats, self.catch_up)  # (this learner's, out: coordinator/send.py)
         if server is not None:
             server.add_envelope_route(ROUTE_UPDATE, self.verifier, self._on_update, kinds={UPDATE}, fresh=False,
                                       max_payload=tensor_payload_max(codec, store.max_numel()))
@@ -499,99 +492,3 @@ class FragmentSync:
         except (TransportError, ProtocolError) as e:
             self._holder_failed(owner, f"downloading fragment {p} from its owner", e)
             return False
-
-    # -- sending --------------------------------------------------------------------------------------------
-
-    async def send_delta(self, p: int, live_fragment: torch.Tensor, base: Version, steps: int, tokens: int) -> bool:
-        """Δ_p = Θ_p^(base) − θ[p] (plus the error-feedback residual), compressed, signed, sent to owner(p).
-
-        `live_fragment` is the learner's snapshot of θ[p]. A failed owner is suspected and the delta goes to
-        the next one. Until a version merges it, the delta is kept as outstanding (see `fragments`: the rebase
-        rule). Returns whether an owner accepted it.
-        """
-        accepted = False
-        try:
-            accepted = await self._send_delta(p, live_fragment, base, steps, tokens)
-            return accepted
-        finally:
-            self.store.end_send(p, accepted)
-
-    async def _send_delta(self, p: int, live_fragment: torch.Tensor, base: Version, steps: int, tokens: int) -> bool:
-        # Δ, its encoding and its signature are computed in worker threads: on the loop, 100 ms of CPU per large
-        # fragment would delay every message this peer answers (members' refreshes included)
-        anchor, label, generation = self.store.read(p)
-        if label != base or p in self.store.unset:
-            return self._moved(p, steps, tokens, live_fragment)
-        # Δ_p = Θ_p − θ[p] into the snapshot's own buffer (which goes back to `self.pool` once encoded, unless
-        # error feedback keeps Δ itself), outside the store's lock; a write of the anchor meanwhile is caught
-        # by its generation
-        delta = await asyncio.to_thread(torch.sub, anchor, live_fragment, out=live_fragment)
-        residual = produced = None
-        async with self._encoding[p]:  # one encode of p at a time: they share its error-feedback residual
-            if self.feedback is not None:  # the residual carries what the codec dropped; θ[p] gives up all of Δ
-                residual = self.feedback.residual(str(p))
-                meta, payload = await asyncio.to_thread(self.feedback.encode, str(p), delta)
-                produced = self.feedback.residual(str(p))
-                merged: Move = delta
-            else:  # what the codec dropped stays in θ[p] and goes out with the next delta
-                meta, payload = await asyncio.to_thread(self.codec.encode_delta, delta)
-                merged = Encoded(self.codec, meta, payload)
-                del delta
-                self.pool.give(live_fragment)
-        carried = self.store.set_outstanding(p, base, merged, steps, tokens, generation=generation)
-        if carried is not None and await self._deliver(p, base, *carried, meta, payload):
-            return True
-        if carried is None:
-            self._moved(p, steps, tokens)
-        else:
-            self.store.drop_outstanding(p)
-        if self.feedback is not None and self.feedback.residual(str(p)) is produced:
-            self.feedback.restore(str(p), residual)  # not delivered: the residual before this encode stands
-        return False
-
-    def _moved(self, p: int, steps: int, tokens: int, snapshot: torch.Tensor | None = None) -> bool:
-        """The anchor moved since the snapshot: Δ would be wrong. Not sent; θ[p] keeps that progress."""
-        self.stats["deltas_dropped_moved"] += 1
-        self.store.carry(p, steps, tokens)
-        if snapshot is not None:
-            self.pool.give(snapshot)
-        return False
-
-    async def _deliver(self, p: int, base: Version, steps: int, tokens: int, meta: dict, payload: bytes) -> bool:
-        """Send a delta to owner(p), then to the next owner if that one is gone. True once one accepted it."""
-        fields = DeltaFields(p, base, steps, tokens, meta).to_fields()
-        for attempt in range(2 + self.spec.replicas):
-            if attempt:
-                await asyncio.sleep(0.25 * attempt)  # let the member view (and the owner's) catch up
-            roles = self.members.roles(p)
-            if not roles:
-                break
-            owner = roles[0]
-            env = await asyncio.to_thread(seal, self.identity, DELTA, self.spec.run_id, fields, payload)
-            self.guard.sent_delta(p, parse_header(env.header)["payload_digest"], steps, tokens)  # (before it can
-            # be merged: an update naming it may come back before this send returns)
-            try:
-                if owner == self.members.peer_id and self.on_local_delta is not None:
-                    self.on_local_delta(env)
-                else:
-                    url = self.members.url(owner)
-                    if url is None:
-                        raise TransportError(f"no address for owner {owner[:8]}")
-                    await self.client.send_envelope(url, ROUTE_DELTA, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
-                self.stats["deltas_sent"] += 1
-                return True
-            except RemoteError as e:
-                self.stats[f"deltas_refused_{e.status}"] += 1
-                if e.status == 409:
-                    self.catch_up(p, [owner])
-                if e.status != 503:
-                    return False
-                # 503: alive, but not the owner in its own view (yet): it checks the owner it knows; retry.
-            except ProtocolError as e:
-                self.stats[f"deltas_refused_{e.status}"] += 1
-                return False
-            except TransportError as e:
-                log.info("owner %s of fragment %d unreachable: %s", owner[:8], p, e)
-                self.members.failed(owner, e)
-        self.stats["deltas_lost_no_owner"] += 1
-        return False

@@ -179,7 +179,7 @@ class Swarm:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        loop.call_soon_threadsafe(self._spawn_send, self.sync.send_delta(p, live_fragment, base, steps, tokens))
+        loop.call_soon_threadsafe(self._spawn_send, self.sync.deltas.send(p, live_fragment, base, steps, tokens))
 
     def _spawn_send(self, coro) -> None:
         task = self._spawn(coro)

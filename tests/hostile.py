@@ -144,7 +144,7 @@ class Hostile:
     # -- deltas ---------------------------------------------------------------------------------------------
 
     def _wrap_deltas(self) -> None:
-        sync, honest = self.sync, self.sync._deliver
+        sender, honest = self.sync.deltas, self.sync.deltas._deliver
 
         async def deliver(p: int, base: Version, steps: int, tokens: int, meta: dict, payload: bytes) -> bool:
             attack = self.attack
@@ -167,7 +167,7 @@ class Hostile:
                     await self._post_frame(p, env.to_bytes(), "replay")
             return accepted
 
-        sync._deliver = deliver
+        sender._deliver = deliver
 
     def _mutate(self, attack: str, meta: dict, payload: bytes, spec) -> tuple[dict, bytes]:
         if attack in ("nan", "inf"):  # an int8 payload starts with its float32 block scales

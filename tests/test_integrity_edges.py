@@ -123,16 +123,16 @@ def test_a_delta_whose_delivery_fails_leaves_the_error_feedback_residual_it_foun
     sync = ll.learner.swarm.sync
     ll.train(10)  # every fragment's delta sent once (to ourselves: the only owner): residuals exist
     wait_until(lambda: sync.stats["deltas_sent"] >= 4, 10, "the first deltas delivered")
-    kept = sync.feedback.residual("0")
+    kept = sync.deltas.feedback.residual("0")
     assert kept is not None
 
     async def owner_gone(*args) -> bool:
         return False
 
-    sync._deliver = owner_gone  # the next delivery fails (owner unreachable, every retry spent)
+    sync.deltas._deliver = owner_gone  # the next delivery fails (owner unreachable, every retry spent)
     snapshot = ll.learner.swarm.pool.take(sync.store.numel(0))
     snapshot.copy_(sync.store.held[0].anchor).add_(0.01)
     base = sync.store.label(0)
-    fut = asyncio.run_coroutine_threadsafe(sync.send_delta(0, snapshot, base, 5, 50), ll.learner.swarm._loop)
+    fut = asyncio.run_coroutine_threadsafe(sync.deltas.send(0, snapshot, base, 5, 50), ll.learner.swarm._loop)
     assert fut.result(10) is False
-    assert sync.feedback.residual("0") is kept, "a failed delivery dropped what earlier deltas still owe"
+    assert sync.deltas.feedback.residual("0") is kept, "a failed delivery dropped what earlier deltas still owe"
