@@ -7,7 +7,8 @@ member cannot publish in another member's term. A version that starts a term (a 
 peer that may own p in this peer's view of the live members: its owner or one of its replicas (a replica
 takes over as soon as it sees the owner gone, and this peer's view may still hold the old owner). A version
 fetched from a holder (catch-up, a whole-fragment download) may also start a term of a publisher that is no
-longer live: it was published while its owner was. Every version moves one outer step (`version + 1`), and a
+longer live (it was published while its owner was), or of one that owned p in this view without this peer
+(published while this peer was away: a peer that comes back must reach it before publishing over it). Every version moves one outer step (`version + 1`), and a
 term may be at most `TERM_BLOCKS_AHEAD` takeovers above its base and below `TERM_MAX`, so no message can push
 a fragment's label to where the next real owner could not publish above it.
 """
@@ -62,8 +63,9 @@ def check_update(p: int, base: Version, new: Version, signer: str, may_own: Call
                  is_live: Callable[[str], bool], pushed: bool) -> None:
     """An update of fragment p from `base` to `new` signed by `signer` may be applied; raises `Unauthorized`.
 
-    `may_own(p, peer)`: `peer` is p's owner or a replica in this peer's view; `is_live(peer)`: it is a live
-    member in this view. `pushed`: the update was sent to us by its publisher (not fetched from a holder)."""
+    `may_own(p, peer)`: `peer` is p's owner or a replica in this peer's view (for a fetched update, also in this
+    view without this peer: `Membership.may_have_owned`); `is_live(peer)`: it is a live member in this view.
+    `pushed`: the update was sent to us by its publisher (not fetched from a holder)."""
     check_term(new.term, signer)
     if new.version != base.version + 1:
         raise Unauthorized(f"an update moves one outer step; {base} → {new} is not one")

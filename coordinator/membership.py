@@ -186,6 +186,16 @@ class Membership:
         later (who may publish in p: coordinator/authority.py)."""
         return peer_id in owners(self.spec.run_id, p, self._unexpired(suspects=True), self.spec.replicas)
 
+    def may_have_owned(self, p: int, peer_id: str) -> bool:
+        """`may_own`, or `peer_id` is p's owner or a replica in this view without this peer: the roles while this
+        peer was away (restarting, or cut off), when another member took p over and published. What a version
+        fetched from a holder is checked against (coordinator/authority.py): a peer that comes back must be
+        able to reach what was published without it before it publishes over it."""
+        if self.may_own(p, peer_id):
+            return True
+        others = [m for m in self._unexpired(suspects=True) if m.peer_id != self.peer_id]
+        return peer_id in owners(self.spec.run_id, p, others, self.spec.replicas)
+
     def is_live(self, peer_id: str) -> bool:
         """`peer_id` has a record that has not expired (suspected or not)."""
         m = self.members.get(peer_id)

@@ -120,10 +120,11 @@ class FragmentSync:
 
     def authorize(self, f: UpdateFields, signer_key: bytes, pushed: bool) -> None:
         """May the peer that signed this update (or certificate) publish it? Raises `Unauthorized` (403), and
-        counts it (coordinator/authority.py)."""
+        counts it (coordinator/authority.py). A version fetched from a holder may start the term of a peer that
+        owned p while this one was away (`Membership.may_have_owned`)."""
+        may_own = self.members.may_own if pushed else self.members.may_have_owned
         try:
-            check_update(f.p, f.base, f.new, peer_id_of(signer_key), self.members.may_own, self.members.is_live,
-                         pushed)
+            check_update(f.p, f.base, f.new, peer_id_of(signer_key), may_own, self.members.is_live, pushed)
         except Unauthorized:
             self.stats["updates_unauthorized"] += 1
             raise

@@ -165,3 +165,41 @@ def test_a_member_that_may_not_own_a_fragment_cannot_publish_or_replicate_it(swa
             n.train(10)
     wait_until(lambda: all(n.learner.swarm.store.label(p) > base for n in nodes), 30, "the owner's next version")
     assert all(n.learner.swarm.store.label(p).term % TERM_SLOTS == term_slot(owner) for n in nodes)
+
+
+def test_a_takeover_published_while_this_peer_was_away_may_be_fetched_but_not_pushed():
+    """A peer that comes back (a restart, a partition) finds p taken over while it was away by the member next
+    in line, who may still be live and, now that this peer is back, neither owner nor replica here. Its
+    version must be reachable by catch-up, or this peer, owner again, publishes the same version number over it
+    and the deltas merged into it are lost (a chaos sweep's fork); pushed, it is still refused."""
+    import collections
+    from types import SimpleNamespace
+
+    from diloco.coordinator.membership import Member, Membership
+    from diloco.coordinator.ownership import owners
+    from diloco.coordinator.sync import FragmentSync
+    from diloco.coordinator.wire import MemberRecord
+
+    spec = tiny_run().spec
+    me, others = Identity.generate(), {i.peer_id: i for i in (Identity.generate() for _ in range(3))}
+    record = MemberRecord("http://127.0.0.1:1", "", False, 0, 0.0, 0.0, True)
+    members = Membership(SimpleNamespace(identity=me), spec, lambda: record)
+    members.members = {peer: Member(peer, record, time.time() + 60) for peer in others}
+    roles = 1 + spec.replicas
+    p = next(p for p in range(10_000)  # a fragment where this peer holds a role: the next in line stands in
+             if me.peer_id in owners(spec.run_id, p, members._unexpired(suspects=True), spec.replicas))
+    ranked = owners(spec.run_id, p, members._unexpired(suspects=True), len(others))
+    stand_in, outsider = ranked[roles], ranked[roles + 1]
+    assert not members.may_own(p, stand_in) and members.may_have_owned(p, stand_in)
+    assert not members.may_have_owned(p, outsider)
+    sync = SimpleNamespace(members=members, stats=collections.Counter())
+
+    def authorize(signer: str, pushed: bool) -> None:
+        f = SimpleNamespace(p=p, base=Version(own_term(ALICE), 7), new=Version(own_term(signer, 2), 8))
+        FragmentSync.authorize(sync, f, others[signer].public_key, pushed)
+
+    authorize(stand_in, pushed=False)  # fetched from a holder: reachable
+    for signer, pushed in ((stand_in, True), (outsider, False)):  # pushed by it; or nobody's owner here
+        with pytest.raises(Unauthorized):
+            authorize(signer, pushed)
+    assert sync.stats["updates_unauthorized"] == 2
