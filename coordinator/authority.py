@@ -81,7 +81,8 @@ def check_replication(p: int, term: int, label: Version, full: bool, signer: str
     """A replication of fragment p (the owner's `term`, version `label`) signed by `signer` may be kept; raises
     `Unauthorized`. An owner replicates in its own term, to its replicas, so `signer` may own p here; a full
     state (a hand-over, or a replica that fell behind) may also come from the peer that published `label`
-    and has since lost p to a newcomer."""
+    and has since lost p to a newcomer (and `may_own` of a full state is `Membership.may_have_owned`: the
+    peer that held p while this one was away hands it back)."""
     check_term(term, signer)
     if label.term > term or term // TERM_SLOTS > label.term // TERM_SLOTS + TERM_BLOCKS_AHEAD:
         raise Unauthorized(f"an owner in term {term} cannot replicate version {label}")

@@ -266,13 +266,20 @@ class Replication:
 
     # -- replica side ---------------------------------------------------------------------------------------
 
-    async def _on_replicate(self, env: Envelope, request: web.Request) -> bytes:
-        f = ReplicateFields.parse(env.fields, len(self.store))
+    def authorize(self, f: ReplicateFields, signer_key: bytes) -> None:
+        """May the sender keep this replication here? Raises `Unauthorized` (403), and counts it
+        (coordinator/authority.py). A full state (a hand-over) may come from a peer that owned p while this
+        one was away (`Membership.may_have_owned`): the state of a newcomer's fragment, handed back to it."""
+        may_own = self.members.may_have_owned if f.full else self.members.may_own
         try:
-            check_replication(f.p, f.term, f.label, f.full, peer_id_of(env.sender), self.members.may_own)
+            check_replication(f.p, f.term, f.label, f.full, peer_id_of(signer_key), may_own)
         except Unauthorized:
             self.stats["replications_unauthorized"] += 1
             raise
+
+    async def _on_replicate(self, env: Envelope, request: web.Request) -> bytes:
+        f = ReplicateFields.parse(env.fields, len(self.store))
+        self.authorize(f, env.sender)
         payload = memoryview(env.payload)
         numel = self.store.numel(f.p)
         self.terms_seen[f.p] = max(self.terms_seen[f.p], f.term)

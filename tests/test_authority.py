@@ -167,7 +167,7 @@ def test_a_member_that_may_not_own_a_fragment_cannot_publish_or_replicate_it(swa
     assert all(n.learner.swarm.store.label(p).term % TERM_SLOTS == term_slot(owner) for n in nodes)
 
 
-def test_a_takeover_published_while_this_peer_was_away_may_be_fetched_but_not_pushed():
+def test_a_takeover_published_while_this_peer_was_away_may_be_fetched_or_handed_back_but_not_pushed():
     """A peer that comes back (a restart, a partition) finds p taken over while it was away by the member next
     in line, who may still be live and, now that this peer is back, neither owner nor replica here. Its
     version must be reachable by catch-up, or this peer, owner again, publishes the same version number over it
@@ -177,6 +177,7 @@ def test_a_takeover_published_while_this_peer_was_away_may_be_fetched_but_not_pu
 
     from diloco.coordinator.membership import Member, Membership
     from diloco.coordinator.ownership import owners
+    from diloco.coordinator.replication import Replication
     from diloco.coordinator.sync import FragmentSync
     from diloco.coordinator.wire import MemberRecord
 
@@ -203,3 +204,19 @@ def test_a_takeover_published_while_this_peer_was_away_may_be_fetched_but_not_pu
         with pytest.raises(Unauthorized):
             authorize(signer, pushed)
     assert sync.stats["updates_unauthorized"] == 2
+
+    # its state handed back (a full replicate, in the term it took p over in, of the version it held): kept;
+    # a plain replication from it, or a hand-over from the member after it, is not
+    replication = SimpleNamespace(members=members, stats=collections.Counter())
+
+    def replicate(signer: str, full: bool) -> None:
+        term = own_term(signer, 2)
+        f = SimpleNamespace(p=p, term=term, label=Version(own_term(ALICE), 7) if full else Version(term, 8),
+                            full=full)
+        Replication.authorize(replication, f, others[signer].public_key)
+
+    replicate(stand_in, full=True)
+    for signer, full in ((stand_in, False), (outsider, True)):
+        with pytest.raises(Unauthorized):
+            replicate(signer, full)
+    assert replication.stats["replications_unauthorized"] == 2
