@@ -32,10 +32,19 @@ def _free_port() -> int:
 
 
 def _torchrun(*args: str, stderr=subprocess.STDOUT) -> subprocess.Popen:
-    """Two ranks on this machine; `args`: a script and its arguments, or `-m MODULE ...`."""
+    """Two ranks on this machine; `args`: a script and its arguments, or `-m MODULE ...`. A rank that crashes
+    in native code prints its threads' Python stacks (faulthandler): `_crashes` finds them in its output."""
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(_free_port()), *args], stdout=subprocess.PIPE, stderr=stderr, text=True)
+         "--master-port", str(_free_port()), *args], stdout=subprocess.PIPE, stderr=stderr, text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+
+
+def _crashes(output: str) -> str:
+    """The faulthandler reports in a torchrun's output (a rank's "Fatal Python error" and the stacks after it),
+    which the end of a long output would not show: a crash's own words, before the other rank's traceback."""
+    start = output.find("Fatal Python error")
+    return output[start:start + 6000] + "\n...\n" if start >= 0 else ""
 
 
 def _worker(spec: Path, peer: str, out: Path, steps: int, *mode: str) -> subprocess.Popen:
@@ -60,7 +69,7 @@ def _beside_a_single_process_learner(tmp_path: Path, steps: int, *mode: str) -> 
         while proc.poll() is None:
             solo.train(5)
         output = proc.stdout.read()
-        assert proc.returncode == 0, output[-4000:]
+        assert proc.returncode == 0, _crashes(output) + output[-4000:]
         after = evaluate(solo.model, solo.task)
     finally:
         solo.learner.close()
@@ -124,7 +133,7 @@ def test_a_relaunched_fsdp2_learner_resumes_its_inner_optimizer_state_from_rank_
             while proc.poll() is None:
                 solo.train(5)
             output = proc.stdout.read()
-            assert proc.returncode == 0, output[-4000:]
+            assert proc.returncode == 0, _crashes(output) + output[-4000:]
             reports.append(json.loads((tmp_path / "rank-0.json").read_text()))
             if steps == 60:
                 ckpt = load_latest(tmp_path / "ckpt")
@@ -183,7 +192,7 @@ def test_join_under_torchrun_is_one_learner_of_two_ranks(tmp_path, layout):
         while proc.poll() is None:
             solo.train(5)
         out, err = proc.communicate()
-        assert proc.returncode == 0, err[-4000:]
+        assert proc.returncode == 0, _crashes(err) + err[-4000:]
         wait_until(lambda: len(solo.learner.swarm.members.live()) == 1, 10, "the torchrun learner leaving")
     finally:
         solo.learner.close()
@@ -245,7 +254,7 @@ def test_a_torchrun_learner_whose_rank_was_killed_rejoins_as_the_same_one_learne
             solo.train(5)
             seen.add(len(solo.learner.swarm.members.live()))
         log = (tmp_path / "second.log").read_text()
-        assert second.returncode == 0, log[-4000:]
+        assert second.returncode == 0, _crashes(log) + log[-4000:]
     finally:
         solo.learner.close()
     events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]

@@ -382,12 +382,16 @@ def test_a_hand_over_after_the_new_owners_takeover_still_ends_handed_over_at_the
     learners += [first, *(LocalLearner(genesis, i, [first.url], **slow).start() for i in (1, 2))]
     by_id = {n.learner.swarm.identity.peer_id: n for n in learners}
 
-    def frag() -> tuple[int, list[str]] | None:  # a fragment with a published version, its roles agreed
+    def frag() -> tuple[int, list[str]] | None:  # a fragment with a published version, its roles agreed, and
+        # the replica holding the momentum of that version (roles that changed since the owner's last round
+        # leave the new replica without one: its takeover would pull the momentum instead)
         for p in range(FRAGMENTS):
             roles = [n.learner.swarm.members.roles(p) for n in learners]
             if len(roles[0]) == 2 and all(r == roles[0] for r in roles) \
                     and p in by_id[roles[0][0]].learner.swarm.shard.owners \
-                    and by_id[roles[0][0]].learner.swarm.store.label(p).version >= 1:
+                    and by_id[roles[0][0]].learner.swarm.store.label(p).version >= 1 \
+                    and (by_id[roles[0][1]].learner.swarm.shard.replication.kept.get(p, (None,))[0]
+                         == by_id[roles[0][0]].learner.swarm.store.label(p)):
                 return p, roles[0]
         return None
 
