@@ -8,9 +8,10 @@ peer that may own p in this peer's view of the live members: its owner or one of
 takes over as soon as it sees the owner gone, and this peer's view may still hold the old owner). A version
 fetched from a holder (catch-up, a whole-fragment download) may also start a term of a publisher that is no
 longer live (it was published while its owner was), or of one that owned p in this view without this peer
-(published while this peer was away: a peer that comes back must reach it before publishing over it). Every version moves one outer step (`version + 1`), and a
-term may be at most `TERM_BLOCKS_AHEAD` takeovers above its base and below `TERM_MAX`, so no message can push
-a fragment's label to where the next real owner could not publish above it.
+(published while this peer was away: a peer that comes back must reach it before publishing over it). Every
+version moves one outer step (`version + 1`), and a term may be at most `TERM_BLOCKS_AHEAD` takeovers above its
+base and below `TERM_MAX`, so no message can push a fragment's label to where the next real owner could not
+publish above it.
 """
 
 from __future__ import annotations
