@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Callable
 
 from aiohttp import web
@@ -47,6 +48,8 @@ from .wire import (
 
 log = logging.getLogger(__name__)
 JUDGED_KEPT = 1024  # (owner, p, version) verdicts remembered: each is recomputed once
+DELIVER_FOR_S = 30.0  # how long an accusation keeps trying the members it has not reached yet
+DELIVER_EVERY_S = 2.0  # between two tries
 
 
 class Accusations:
@@ -76,23 +79,36 @@ class Accusations:
         if prefix is None or momentum is None:
             self.stats["accusations_without_evidence"] += 1
             return
-        self.spawn(self._send(f, prefix, momentum, refused))
+        self.spawn(self._send(f, owner, prefix, momentum, refused))
 
-    async def _send(self, f: UpdateFields, prefix: bytes, momentum: Encoded, refused: Envelope) -> None:
+    async def _send(self, f: UpdateFields, owner: str, prefix: bytes, momentum: Encoded, refused: Envelope) -> None:
         payload = await asyncio.to_thread(join_bytes, prefix, momentum.payload, refused.prefix(), refused.payload)
         fields = AccuseFields(f.p, f.new, len(prefix), len(momentum.payload)).to_fields()
         env = await asyncio.to_thread(seal, self.identity, ACCUSE, self.spec.run_id, fields, payload)
 
-        async def one(url: str) -> bool:
+        async def one(url: str) -> str:
+            """"sent" (judged there, or known), "refused" (an answer that another try would not change: a 409
+            after a try whose answer was lost means it got there) or "retry" (no answer, 429 or 503)."""
             try:
                 await self.client.send_envelope(url, ROUTE_ACCUSE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
-                return True
+                return "sent"
             except (TransportError, RemoteError) as e:
                 log.info("accusation of fragment %d's %s to %s failed: %s", f.p, f.new, url, e)
-                return False
+                return "refused" if isinstance(e, RemoteError) and e.status not in (429, 503) else "retry"
 
-        sent = await asyncio.gather(*(one(m.url) for m in self.members.servers()))
-        self.stats["accusations_sent"] += sum(sent)
+        # Until DELIVER_FOR_S has passed, every member that has not taken it yet is tried again, every
+        # DELIVER_EVERY_S: one that did not answer (a suspect, a busy peer, a connection refused at its
+        # accept), and one that appeared meanwhile. A member it never reaches keeps the owner's versions.
+        done: set[str] = {owner}  # (not the owner it accuses)
+        until = time.monotonic() + DELIVER_FOR_S
+        while True:
+            todo = [m for m in self.members.servers(suspects=True) if m.peer_id not in done]
+            outcomes = await asyncio.gather(*(one(m.url) for m in todo))
+            done |= {m.peer_id for m, outcome in zip(todo, outcomes, strict=True) if outcome != "retry"}
+            self.stats["accusations_sent"] += outcomes.count("sent")
+            if time.monotonic() + DELIVER_EVERY_S >= until:
+                return
+            await asyncio.sleep(DELIVER_EVERY_S)
 
     # -- a judge --------------------------------------------------------------------------------------------
 

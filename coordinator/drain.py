@@ -15,7 +15,9 @@ momentum. One told to stop in time (a spot notice, SIGTERM) does better, in this
    checkpoint.
 3. Until the process stops, a delta that still arrives for a fragment handed over (its sender has not seen
    the change yet) is forwarded, exactly as signed, to the new owner (`forward`), which verifies it as its
-   sender's own; the sender is answered once the new owner took it.
+   sender's own; the sender is answered once the new owner took it. The deltas this owner had taken but
+   not merged when it released the fragment (they came after its `FINAL_ROUNDS` early steps) are passed on
+   the same way (`pass_on`): only one that no new owner took is counted as dropped.
 
 Every wait ends at the drain's deadline; what was not done by then is reported, not waited for.
 """
@@ -39,7 +41,7 @@ from .version import GENESIS, Version
 from .wire import ROUTE_DELTA, DeltaFields
 
 if TYPE_CHECKING:
-    from .owner import FragmentOwner
+    from .owner import FragmentOwner, PendingDelta
     from .shard import Shard
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,8 @@ class OwnerDrain:
     """What the shard did in a drain (its part of node/swarm.py's `DrainReport`)."""
 
     final_rounds: int = 0  # outer steps taken early so that no pending delta was dropped
-    dropped_deltas: int = 0  # pending deltas dropped at the release (the deadline came before their round)
+    dropped_deltas: int = 0  # deltas taken but neither merged nor taken by the fragment's next owner
+    passed_on: int = 0  # deltas taken after the last early step, forwarded at the release and taken there
     handovers: list[HandOver] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # what the deadline cut short, one entry per thing
 
@@ -78,6 +81,7 @@ class ShardDrain:
         self.until: float | None = None  # the deadline (time.monotonic()); None: not draining
         self.report = OwnerDrain()
         self._sending: list[asyncio.Task] = []
+        self._passing: list[asyncio.Task] = []  # `pass_on`'s forwards; each returns whether it was taken
 
     @property
     def active(self) -> bool:
@@ -88,13 +92,15 @@ class ShardDrain:
         then wait for the hand-overs' acknowledgements; all of it by `deadline`."""
         self.until = deadline
         closed = await self.close_rounds(deadline)
-        dropped = self.shard.stats["deltas_dropped_on_handoff"]
-        rank_out()  # (no await since `close_rounds` found nothing pending)
-        self.report.dropped_deltas = self.shard.stats["deltas_dropped_on_handoff"] - dropped
+        rank_out()  # (no await since `close_rounds` last looked: what is pending now is passed on, `pass_on`)
+        if self._sending or self._passing:
+            await asyncio.wait(self._sending + self._passing, timeout=max(0.0, deadline - time.monotonic()))
+        self.report.passed_on = sum(1 for t in self._passing
+                                    if t.done() and not t.cancelled() and t.exception() is None and t.result())
+        self.report.dropped_deltas += len(self._passing) - self.report.passed_on
+        self.shard.stats["deltas_dropped_on_handoff"] += self.report.dropped_deltas
         if not closed:
             self.report.skipped.append(f"the last rounds ({self.report.dropped_deltas} pending deltas dropped)")
-        if self._sending:
-            await asyncio.wait(self._sending, timeout=max(0.0, deadline - time.monotonic()))
         self.report.skipped += [f"the hand-over of fragment {h.p} to {h.to[:8]}" for h in self.report.handovers
                                 if not h.acked and not h.skipped]
         return self.report
@@ -159,28 +165,50 @@ class ShardDrain:
         self.shard._tasks.add(task)
         task.add_done_callback(self.shard._tasks.discard)
 
+    def pass_on(self, p: int, pending: list[PendingDelta]) -> None:
+        """Called by `Shard._release` during a drain with the deltas of p taken but not merged: each is sent,
+        exactly as signed, to p's next owner in the background (`run` counts the ones no owner took)."""
+        loop = asyncio.get_running_loop()
+        for d in pending:
+            if not d.prefix:  # (no signed frame to pass on: a delta made in this process, as by the tests)
+                self.report.dropped_deltas += 1
+                continue
+            task = loop.create_task(self._deliver(p, [d.prefix, d.payload]))
+            self._passing.append(task)
+            self.shard._tasks.add(task)
+            task.add_done_callback(self.shard._tasks.discard)
+
     async def forward(self, env: Envelope) -> bool:
         """A delta for a fragment this draining peer no longer owns: passed on unchanged to the owner it
         handed the fragment to; True once that owner took it. False (the caller answers as it would have)
         when this peer owns the fragment again, has no one to pass it to, or that owner refused it."""
+        f = DeltaFields.parse(env.fields, len(self.shard.store))
+        return await self._deliver(f.p, [env.prefix(), env.payload])
+
+    async def _deliver(self, p: int, frame: list[bytes | memoryview]) -> bool:
+        """POST one signed delta frame to p's owner in this peer's view, retried while it answers 503 (it has
+        not seen this peer leave yet), for at most FORWARD_WAIT_S; True once that owner took it."""
         shard = self.shard
-        f = DeltaFields.parse(env.fields, len(shard.store))
         until = time.monotonic() + FORWARD_WAIT_S
-        while f.p not in shard.owners:
-            roles = shard.members.roles(f.p)
+        while p not in shard.owners:
+            roles = shard.members.roles(p)
             url = shard.members.url(roles[0]) if roles and roles[0] != shard.members.peer_id else None
             if url is None:
                 return False
             try:
-                await shard.client.send_envelope(url, ROUTE_DELTA, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
+                await shard.client.request("POST", url, ROUTE_DELTA, body=frame, min_deadline_s=STATEFUL_POST_FLOOR_S)
                 shard.stats["deltas_forwarded"] += 1
                 return True
             except RemoteError as e:
                 if e.status != 503:
+                    log.info("drain: a delta for fragment %d refused by its new owner %s: %s", p, roles[0][:8], e)
                     return False
-            except TransportError:
+            except TransportError as e:
+                log.info("drain: a delta for fragment %d not passed on to %s: %s", p, roles[0][:8], e)
                 return False
             if time.monotonic() + FORWARD_RETRY_S >= until:
+                log.info("drain: a delta for fragment %d not taken by %s within %.0f s", p, roles[0][:8],
+                         FORWARD_WAIT_S)
                 return False
             await asyncio.sleep(FORWARD_RETRY_S)
         return False

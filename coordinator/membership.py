@@ -162,9 +162,10 @@ class Membership:
         operator is shown, each with its state (docs/status.md)."""
         return self._unexpired(suspects=True)
 
-    def servers(self) -> list[Member]:
-        """Live members other than this peer that accept connections (not client-mode, with a URL)."""
-        return [m for m in self.live() if m.peer_id != self.peer_id and not m.client_mode and m.url]
+    def servers(self, suspects: bool = False) -> list[Member]:
+        """Live members other than this peer that accept connections (not client-mode, with a URL); with
+        `suspects`, also those whose record has not expired but that failed to answer us lately."""
+        return [m for m in self._unexpired(suspects) if m.peer_id != self.peer_id and not m.client_mode and m.url]
 
     def live_learners(self) -> set[str]:
         return {m.peer_id for m in self.live()}

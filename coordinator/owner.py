@@ -111,6 +111,8 @@ class FragmentOwner:
         self._spare: Tensor | None = None  # the buffer the next step writes its momentum into
         self.held_back = False  # no step while True (a new owner reaching the newest version first)
         self.published = 0  # versions committed by this ownership
+        self.signed: Version | None = None  # the newest version this ownership sent to its replicas
+        self.stepped: Version | None = None  # the version whose momentum this ownership computed (its last commit)
         self.checked: Version | None = None  # the last base whose versions were compared before replicating
         self.hold_until: float | None = None  # no step before this time (a new owner pulling its momentum)
         self.clock = clock
@@ -229,12 +231,25 @@ class FragmentOwner:
             clip=result.limit,
         )
 
+    def leaves_term(self, base: Version) -> bool:
+        """Whether the version stepped from `base` must go under a new term of this owner's (docs/protocol.md
+        §7.19): in its own term it would be audited by replicas against what they kept of `base`, which is not
+        what this step starts from when `base` is not a version whose momentum this ownership computed (one it
+        reached: its own version that it replicated and did not publish, its momentum rebuilt), or when a version
+        of that label already went to the replicas (a round replicated, then not published: another version of
+        one label would leave a replica with the first one's momentum). The first version of a term is not
+        audited, and a label is never signed twice."""
+        if base.term != self.term:
+            return False
+        return self.stepped != base or (self.signed is not None and self.signed >= base.next())
+
     def commit(self, pub: Publication) -> None:
         """The version `pub.new` is published: its momentum and residual become the owner's, in one step
         (the caller holds the event loop, so a hand-over sees either the old state or this one)."""
         old = self.momentum
         self.momentum, self.residual, self.label = pub.momentum, pub.residual, pub.new
         self.published += 1
+        self.stepped = pub.new
         self.norms.extend(pub.norms)
         self._spare = old if old is not pub.momentum else None  # the next step writes into it
 

@@ -127,9 +127,9 @@ class RunSpec:
 
 # The defaults of a run whose codec is sparse (`topk`), where the run's fields leave them unset: no outer
 # momentum (its update is the sparse merge itself; a momentum would spread it over every coordinate), lr 1.0
-# (each coordinate's merge is already its senders' mean), and H = 50: a sparse delta carries a few percent of
-# the progress, so it goes out twice as often (docs/protocol.md §7.21; the sweep is in the README).
-SPARSE_DEFAULTS = {"outer_lr": 1.0, "outer_momentum": 0.0, "inner_steps": 50}
+# (each coordinate's merge is already its senders' mean), and H = 60: a sparse delta carries a few percent of
+# the progress, so it goes out more often than int8's (H = 50 to 100 swept: README, Sparse; docs/protocol.md §7.21).
+SPARSE_DEFAULTS = {"outer_lr": 1.0, "outer_momentum": 0.0, "inner_steps": 60}
 
 
 def codec_defaults(fields: dict[str, Any]) -> dict[str, Any]:

@@ -282,14 +282,15 @@ class Shard:
     def _release(self, p: int, roles: list[str]) -> None:
         owner = self.owners.pop(p)
         new_owner = roles[0] if roles else None
-        self.stats["deltas_dropped_on_handoff"] += len(owner.pending)
         log.info("no longer owner of fragment %d (new owner %s)", p, (new_owner or "none")[:8])
         if self.draining.active:  # leaving: the hand-over is awaited, and the momentum kept for the checkpoint
             anchor, label, cert = self.store.snapshot(p)
             if label != GENESIS and label == owner.label and owner.momentum is not None:
                 self.replication.keep(p, label, owner.momentum)
             self.draining.hand_over(p, new_owner, owner, label, anchor, cert)
+            self.draining.pass_on(p, list(owner.pending.values()))  # (taken after the last early step: to the next owner)
             return
+        self.stats["deltas_dropped_on_handoff"] += len(owner.pending)
         if new_owner is None or owner.momentum is None:
             return
         # A committed snapshot, taken now: the anchor and the momentum of one version. A step still running
@@ -354,6 +355,11 @@ class Shard:
         label = self.store.label(p)
         if label.term > owner.term:  # another peer owned p meanwhile (views differed): publish above its term
             owner.term = next_term(label.term, self.members.peer_id)
+        if owner.label != label:
+            self.takeover.move_momentum(p, owner, label)
+        if owner.leaves_term(label):
+            owner.term = next_term(owner.term, self.members.peer_id)
+            self.stats["terms_left_unaudited"] += 1
         batch = owner.take_round()
         pub, env, replicated = None, None, set()
         try:
@@ -364,7 +370,10 @@ class Shard:
         finally:
             if env is None:
                 self.stats["publications_abandoned"] += 1
-                dropped = owner.abandon(pub, batch, requeue=self.owners.get(p) is owner)
+                now = self.store.label(p)
+                # (a version this round replicated may have come back to us from a replica, and merged them)
+                merged = pub is not None and now.term == pub.new.term and now >= pub.new
+                dropped = owner.abandon(pub, batch, requeue=self.owners.get(p) is owner and not merged)
                 self.stats["deltas_dropped_abandoned"] += dropped
             if pub is not None:
                 self.pool.give(pub.update)
@@ -419,6 +428,7 @@ class Shard:
                     self.stats["publications_held_for_a_newer_version"] += 1
                     self._reach_before_stepping(p, owner)
                     return None
+            owner.signed = pub.new if owner.signed is None else max(owner.signed, pub.new)
             try:
                 replicated = await self.replication.replicate(p, owner.term, pub.new, env, anchor, pub.momentum,
                                                               [(d.prefix, d.payload) for d in pub.batch])

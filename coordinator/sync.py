@@ -247,30 +247,49 @@ class FragmentSync:
         return task
 
     async def _catch_up(self, p: int, sources: list[str], target: Version | None = None) -> bool:
-        """Fetch the versions of p we miss from the first holder that has them: the kept updates when the gap is
-        small (`target` within KEEP_UPDATES versions, or unknown) and the holder keeps them, else the whole
-        fragment. With a `target`, a
-        holder that is itself behind it is passed over for the next."""
+        """Fetch the versions of p we miss: first the kept updates, from every holder in turn while the gap is
+        small (`target` within KEEP_UPDATES versions, or unknown), since only p's owner and replicas keep them
+        and a source may be neither; then the whole fragment, from the holders that did not give them. With a
+        `target`, a holder that is itself behind it is passed over for the next."""
         holders = [s for s in dict.fromkeys([*sources, *self.members.roles(p)]) if s != self.members.peer_id]
 
         def reached() -> bool:
             return target is None or not target > self.store.label(p)
 
-        for peer in holders:
+        def small_gap() -> bool:  # (updates need values to apply to)
+            return p not in self.store.unset and (
+                target is None or target.version - self.store.label(p).version <= KEEP_UPDATES)
+
+        whole: list[str] = []  # the holders to download p from, in order
+        for i, peer in enumerate(holders):
             url = self.members.url(peer)
             if url is None:
                 continue
-            small_gap = p not in self.store.unset and (  # (updates need values to apply to; a holder that
-                # does not keep them all answers 404)
-                target is None or target.version - self.store.label(p).version <= KEEP_UPDATES)
+            if not small_gap():
+                whole += holders[i:]
+                break
             try:
-                try:
-                    if small_gap and await self._fetch_updates(p, url) and reached():
+                before = self.store.label(p)
+                if await self._fetch_updates(p, url):
+                    # (unknown target: done once a holder moved us, or the first one answered that we hold its
+                    # version; a holder before it that kept no updates may still be ahead)
+                    if reached() and (target is not None or self.store.label(p) > before or not whole):
                         return True
-                except DigestMismatch:
+                else:
+                    whole.append(peer)  # (it keeps no chain from our version: not an owner or replica of p)
+            except (DigestMismatch, Unauthorized) as e:
+                if isinstance(e, DigestMismatch):
                     self.stats["diverged_repairs"] += 1  # our copy is not the owner's: take it whole
-                except Unauthorized:
-                    pass  # a takeover in the gap by a member that may not own p now: the newest version whole
+                # (Unauthorized: a takeover in the gap by a member that may not own p now: the newest whole)
+                whole = [peer, *whole, *holders[i + 1:]]
+                break
+            except (TransportError, ProtocolError) as e:
+                self._holder_failed(peer, f"catching up fragment {p}", e)
+        for peer in whole:
+            url = self.members.url(peer)
+            if url is None:
+                continue
+            try:
                 if await self.fetch_fragment(p, url, repair=True) and reached():
                     return True
             except (TransportError, ProtocolError) as e:

@@ -126,9 +126,7 @@ class Takeover:
                 if self.owners.get(p) is not owner or self.store.label(p) in (since, owner.label):
                     continue  # (nothing reached, or a hand-over brought the owner state of what was: `_handed_over`)
                 # the momentum of the version reached: rebuilt from ours and the kept updates since, if we can
-                momentum = None
-                if owner.momentum is not None and owner.label is not None and self.outer.momentum != 0:
-                    momentum = self.rebuild(p, owner.label, owner.momentum)
+                momentum = self._rebuilt(p, owner)
                 owner.momentum, owner.label = momentum, self.store.label(p)
                 self.momentum_source[p] = "rebuilt" if momentum is not None else "fresh"
                 log.info("fragment %d: taken over at %s, reached %s held by %s", p, since, self.store.label(p),
@@ -139,6 +137,25 @@ class Takeover:
             for p in taken:
                 if (owner := self.owners.get(p)) is not None:
                     owner.held_back = False
+
+    def move_momentum(self, p: int, owner: FragmentOwner, label: Version) -> None:
+        """The store moved past the version the owner's momentum is of outside `reach_newest` (the old owner's
+        last push after a takeover, or this owner's own unpublished version fetched back from a replica by
+        the learner's catch-up): before the next step, rebuild the momentum of `label` from the kept updates
+        since, or keep the older one if they are not all kept."""
+        momentum = self._rebuilt(p, owner)
+        if momentum is not None:
+            owner.momentum = momentum
+            self.momentum_source[p] = "rebuilt"
+        self.stats["momentum_rebuilt_at_a_step" if momentum is not None else "momentum_of_an_older_version_kept"] += 1
+        owner.label = label
+
+    def _rebuilt(self, p: int, owner: FragmentOwner) -> torch.Tensor | None:
+        """The momentum of p's current version from the owner's (of `owner.label`) and the kept updates since;
+        None when it has none to start from, the run has no momentum, or those updates are not all kept."""
+        if owner.momentum is None or owner.label is None or self.outer.momentum == 0:
+            return None
+        return self.rebuild(p, owner.label, owner.momentum)
 
     async def _held_above(self, taken: list[int]) -> dict[int, tuple[Version, list[str]]]:
         """`FragmentSync.held_above`, asked again (every `PULL_RETRY_S`, for at most `NEWEST_HOLD_S`) while a

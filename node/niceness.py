@@ -2,9 +2,12 @@
 
 On a machine whose cores are all busy, a training step that wakes while the swarm's threads hold every core
 waits for one of them to be preempted: that wait is the tail of the step-time distribution. The swarm's work
-has deadlines of seconds, the step's of milliseconds, so the swarm's event loop and worker threads and θ's
-summer and copier run a few nice levels below the thread that trains (threads they start inherit it). Not an
-idle class: a thread parked for long while it holds the GIL would stall the training thread instead.
+has deadlines of seconds, the step's of milliseconds, so the threads that do its heavy numeric work with the
+GIL released (the event loop's worker threads, θ's summer and copier) run a few nice levels below the thread
+that trains. The event loop itself does not: it runs Python, holding the GIL, and a loop preempted while it
+holds it makes the training thread of its own process wait (README, Step latency and Hostile members: a
+flooded learner kept more of its steps with its loop at the training thread's priority, and the step-latency
+ratio did not suffer). Not an idle class, for the same reason.
 """
 
 from __future__ import annotations

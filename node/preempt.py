@@ -44,7 +44,8 @@ class DrainReport:
     deltas_unmerged: int = 0  # deltas of this learner that an owner took but no version it received merged
     merged_steps: int = 0  # this learner's inner steps merged into versions (as `progress` reports it)
     final_rounds: int = 0  # outer steps its owned fragments took early, merging their pending deltas
-    dropped_deltas: int = 0  # pending deltas dropped at the release (the deadline came before their round)
+    dropped_deltas: int = 0  # deltas its owned fragments took but neither merged nor got to their next owners
+    passed_on: int = 0  # deltas taken after the early steps, forwarded to the fragments' next owners at the release
     handovers: list[dict] = field(default_factory=list)  # per fragment released: p, to, version, acked, skipped
     left: bool = False  # the member record marked `left` was stored
     checkpoint: bool | None = None  # the final checkpoint was written (None: no --checkpoint-dir)

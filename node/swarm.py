@@ -248,6 +248,7 @@ class Swarm:
         if self.shard is not None:
             owned = await self.shard.drain(deadline, self._rank_out)
             report.final_rounds, report.dropped_deltas = owned.final_rounds, owned.dropped_deltas
+            report.passed_on = owned.passed_on
             report.handovers = [dataclasses.asdict(h) for h in owned.handovers]
             report.skipped += owned.skipped
         else:
@@ -284,7 +285,6 @@ class Swarm:
         return self.error is None and self._thread is not None and self._thread.is_alive() and self._ready.is_set()
 
     def _thread_main(self) -> None:
-        lower_this_thread()  # (and the loop's worker threads, which inherit it)
         try:
             asyncio.run(self._main())
         except BaseException as e:  # surfaced to the training thread by start(), or by Learner.step
@@ -308,6 +308,10 @@ class Swarm:
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
+        # (the workers at a lower priority, not the loop: a loop thread preempted while it holds the GIL would
+        # make the training thread wait for it; node/niceness.py)
+        workers = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="swarm-worker", initializer=lower_this_thread)
+        self._loop.set_default_executor(workers)
         self._stopping = asyncio.Event()
         private = is_private(self.spec, self.config)
         self.client = PeerClient(tls=private, read_signer=ReadSigner(self.identity, self.spec.run_id) if private

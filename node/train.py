@@ -84,8 +84,9 @@ def emit(opts: TrainOptions, event: str, **fields: Any) -> None:
     if opts.out is not None:  # opened per event: a learner killed at any moment leaves whole lines behind
         with open(opts.out / "events.jsonl", "a") as f:
             f.write(line + "\n")
-    if opts.json:
-        print(line, flush=True)
+    if opts.json:  # (one write: an unbuffered print writes the newline apart, and a log line on a shared
+        sys.stdout.write(line + "\n")  # stderr could land between the two, spoiling the JSON line)
+        sys.stdout.flush()
     else:
         body = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()
                         if k != "accepted")  # (version moves: machine data, in the JSON lines only)

@@ -267,6 +267,11 @@ class EnvelopeVerifier:
         if h["fresh"]:
             self.replay.release(h["sender"] + h["nonce"])
 
+    def forget(self, env: Envelope) -> None:
+        """Let a fresh message that was refused before any work ("not here, not now") arrive once more: its
+        sender, or a peer relaying it unchanged, may try again with the same signed bytes."""
+        self.replay.release(env.sender + env.nonce)
+
     def certificate(self, prefix: bytes | bytearray | memoryview) -> Envelope:
         """Verify an envelope prefix alone (header + signature, no payload): a version certificate."""
         header, signature, rest = _split_prefix(memoryview(prefix))

@@ -9,7 +9,9 @@ the /64 of an IPv6 one: a host gets a /64), before anything else runs:
   cap an address holding less than its fair share (total / addresses) still gets in, and the oldest
   connection of the address holding the most is closed instead: a stranger's idle connections cannot keep
   an honest member out (unless the stranger has more addresses than the cap has connections). At its first
-  byte a connection takes a token of its address's connection bucket (`conn_rate_per_s`, `conn_burst`);
+  byte a connection takes a token of its address's connection bucket (`conn_rate_per_s`, `conn_burst`); while
+  that bucket is empty, or the address holds its cap, its new connections are closed in `accept()` (listen.py),
+  before asyncio builds a transport for them (a flood's reconnects then cost an `accept` and a `close`);
 - **requests**: a token bucket per address (`rate_per_s`, `burst`) and at most `inflight_per_addr` requests
   handled at once per address (`inflight_total` in all, fair-shared as above), else 429 from the first
   middleware, before the body is read; the connection is then closed, so a refused body is never read
@@ -169,14 +171,17 @@ class Limiter:
     def take(self, key: str, connection: bool = False) -> bool:
         """Take one token of `key`'s request (or `connection`) bucket; False (nothing taken) if it is empty."""
         now = self.clock()
-        lim = self.limits
-        rate, burst = (lim.conn_rate_per_s, lim.conn_burst) if connection else (lim.rate_per_s, lim.burst)
-        tokens, at = self._buckets.get((key, connection), (burst, now))
-        tokens = min(burst, tokens + (now - at) * rate)
+        tokens = self._tokens(key, connection, now)
         if now >= self._next_purge:
             self._purge(now)
         self._buckets[(key, connection)] = (tokens - 1.0, now) if tokens >= 1.0 else (tokens, now)
         return tokens >= 1.0
+
+    def _tokens(self, key: str, connection: bool, now: float) -> float:
+        lim = self.limits
+        rate, burst = (lim.conn_rate_per_s, lim.conn_burst) if connection else (lim.rate_per_s, lim.burst)
+        tokens, at = self._buckets.get((key, connection), (burst, now))
+        return min(burst, tokens + (now - at) * rate)
 
     def _purge(self, now: float) -> None:
         self._next_purge = now + self.PURGE_EVERY_S
@@ -220,6 +225,23 @@ class Limiter:
         return resp
 
     # -- connections ----------------------------------------------------------------------------------------
+
+    def refuse_at_accept(self, host: str) -> bool:
+        """Close a new connection from `host` in `accept()` (listen.py), before anything is built for it: its
+        address holds `conns_per_addr` already, or its connection bucket is empty (the connection would be
+        refused at its first byte). Counted and logged as a refused connection."""
+        key = address_key(host)
+        mine = self._conns.get(key)
+        if mine is not None and len(mine) >= self.limits.conns_per_addr:
+            why = "connections"
+        elif self._tokens(key, True, self.clock()) < 1.0:
+            why = "connection rate"
+        else:
+            return False
+        self.stats["refused_connections"] += 1
+        self.stats["refused_at_accept"] += 1
+        self.log.refused(f"a connection ({why})", key)
+        return True
 
     def admit_connection(self, gate: Gate, key: str) -> str | None:
         """None if `gate`'s connection may stay open (it is counted until `closed`), else why not."""

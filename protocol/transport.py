@@ -33,10 +33,12 @@ from .errors import (
     RemoteError,
     ResponseTooLarge,
     TransportError,
+    Unavailable,
 )
 from .gate import LimitedRunner
 from .intake import paced, quiet_malformed_requests
 from .limits import Limiter, Limits
+from .listen import listen
 from .reads import HEADER as READ_HEADER
 from .reads import ReadSigner, check_read
 from .tls import PeerCheck, WrongPeer, client_context
@@ -139,7 +141,12 @@ class PeerServer:
                 kinds=accepted, max_payload=max_payload,
             )
             request[BYTES_IN] = env.frame_size()
-            out = await handler(env, request)
+            try:
+                out = await handler(env, request)
+            except Unavailable:  # (refused before any work: the same message may come again, e.g. relayed)
+                if fresh:
+                    verifier.forget(env)
+                raise
             return web.Response(body=out, content_type="application/octet-stream") if isinstance(out, bytes) else out
 
         self.app.router.add_post(path, route)
@@ -178,12 +185,16 @@ class PeerServer:
             shutdown_timeout=self.shutdown_timeout_s,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port,  # (no ssl_context: TLS is the gate's, limits.py)
-                           backlog=self.limiter.limits.backlog)
-        await site.start()
-        sockets = site._server.sockets if site._server else []  # noqa: SLF001 - aiohttp exposes no public getter
-        if sockets:
-            self.port = sockets[0].getsockname()[1]
+        # (our own listening sockets: a connection the limiter refuses is closed at accept, listen.py)
+        sockets = listen(self.host, self.port, self.limiter.limits.backlog, self.limiter.refuse_at_accept)
+        try:
+            for sock in sockets:  # (no ssl_context: TLS is the gate's, limits.py)
+                await web.SockSite(self._runner, sock).start()
+        except BaseException:
+            for sock in sockets:
+                sock.close()
+            raise
+        self.port = sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         """Refuse new requests, let in-flight ones finish within `shutdown_timeout_s`, then cancel them."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import collections
 import contextlib
 import json
@@ -18,7 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Proc:
-    """A child process whose stdout lines we can wait for, killed by pid when the test ends."""
+    """A child process whose stdout lines we can wait for, killed by pid when the test ends.
+
+    A thread reads its output as it comes, whoever looks at it: a child whose pipe fills (64 KB: a few hundred
+    progress lines, or a burst of info logs) blocks in its next `print` or log line, its event loop with it, and
+    a test that polls its status instead of its output would wait on a pause of its own making."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -26,45 +31,56 @@ class Proc:
             args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, cwd=REPO
         )
         self.lines: list[str] = []
-        self.tail: collections.deque[str] | None = None  # the last lines, once `keep_reading` reads them
+        self.tail: collections.deque[str] | None = None  # the last lines, once `keep_reading` asked for only those
         self._buf = ""
         self._checked = 0
+        self._read: list[str] = []  # text the reader took from the pipe that `read_available` has not split yet
+        self._lock = threading.Lock()
+        self._eof = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+        fd = self.popen.stdout.fileno()
+        with contextlib.suppress(OSError, ValueError):
+            while chunk := os.read(fd, 65536):
+                text = decode(chunk)
+                with self._lock:
+                    if self.tail is None:
+                        self._read.append(text)
+                        continue
+                    *done, self._buf = (self._buf + text).split("\n")
+                    self.tail.extend(done)
+        self._eof.set()
 
     def read_available(self) -> list[str]:
         """Lines printed since the last call, without blocking."""
-        fd = self.popen.stdout.fileno()
-        os.set_blocking(fd, False)
-        new: list[str] = []
-        while True:
-            try:
-                chunk = os.read(fd, 65536).decode("utf-8", "replace")
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            self._buf += chunk
-            *done, self._buf = self._buf.split("\n")
-            new += done
+        with self._lock:
+            text, self._read = "".join(self._read), []
+        if not text:
+            return []
+        self._buf += text
+        *new, self._buf = self._buf.split("\n")
         self.lines += new
         return new
 
     def keep_reading(self, keep: int = 400) -> None:
-        """From now on a thread reads the output, for a child whose output no one waits on again: a full pipe
-        would block it in its next `print` or log line. Only its last `keep` lines are kept (`tail`), for a
-        failing test to show."""
-        self.tail = collections.deque(self.lines[-keep:], maxlen=keep)
-
-        def read() -> None:
-            with contextlib.suppress(OSError, ValueError):
-                os.set_blocking(self.popen.stdout.fileno(), True)
-                for raw in self.popen.stdout:
-                    self.tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
-
-        threading.Thread(target=read, daemon=True).start()
+        """From now on keep only the last `keep` lines (`tail`), for a child whose output no one waits on again
+        (a long-lived one), for a failing test to show."""
+        self.read_available()
+        with self._lock:  # (what came meanwhile, then the reader's own lines, go to `tail` from here on)
+            *done, self._buf = (self._buf + "".join(self._read)).split("\n")
+            self._read = []
+            self.lines += done
+            self.tail = collections.deque(self.lines[-keep:], maxlen=keep)
 
     def last_lines(self) -> list[str]:
         """What it printed lately: `tail` once `keep_reading` started, else every line read so far."""
-        return list(self.tail) if self.tail is not None else self.lines
+        if self.tail is None:
+            self.read_available()
+            return self.lines
+        with self._lock:
+            return list(self.tail)
 
     def wait_for(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
         """Read output until a line matches `pattern`; fail with what was seen if it never does."""
@@ -78,8 +94,10 @@ class Proc:
                     self._checked = i + 1
                     return m
             checked = len(self.lines)
-            if self.popen.poll() is not None and not self.read_available():
-                break
+            if self.popen.poll() is not None:
+                self._eof.wait(0.5)  # (the reader drains what the child wrote before it exited)
+                if not self.read_available():
+                    break
             time.sleep(0.05)
         tail = "\n".join(self.lines[-40:] + [self._buf])
         raise AssertionError(f"waited {timeout}s for {pattern!r}; exit code {self.popen.poll()}; output ended:\n{tail}")

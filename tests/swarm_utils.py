@@ -21,8 +21,10 @@ def tiny_run(**fields) -> Genesis:
 
 
 def fast_config(peers: list[str] | None = None, **kw) -> SwarmConfig:
+    # (`bootstrap_wait_s`: the test's learners, clients and hostile members all come from 127.0.0.1, and past
+    # its connection-rate burst a peer closes that address's new connections: a join tries again meanwhile)
     fields = {"member_ttl_s": 4.0, "member_refresh_s": 1.0, "member_poll_s": 0.5, "watch_s": 1.0,
-              "join_timeout_s": 60, **kw}
+              "join_timeout_s": 60, "bootstrap_wait_s": 10.0, **kw}
     return SwarmConfig(peers=peers or [], **fields)
 
 

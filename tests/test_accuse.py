@@ -4,11 +4,14 @@ two rounds (FragmentOwner on signed int8 deltas); the member view is a stand-in 
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import types
 
 import pytest
 import torch
 
+from diloco.coordinator import accuse
 from diloco.coordinator.accuse import Accusations
 from diloco.coordinator.audit import Auditor, UpdateGuard
 from diloco.coordinator.authority import TERM_SLOTS
@@ -20,6 +23,7 @@ from diloco.coordinator.wire import (
     ACCUSE,
     DELTA,
     REPLICATE,
+    ROUTE_ACCUSE,
     UPDATE,
     AccuseFields,
     DeltaFields,
@@ -78,20 +82,24 @@ def accusation(accuser: Identity, base, base_momentum: bytes, refused, p: int = 
     return seal(accuser, ACCUSE, RUN, fields, join_bytes(base.prefix(), base_momentum, refused.to_bytes()))
 
 
-@pytest.fixture
-def judge():
+def make_judge(server: PeerServer | None = None, servers=lambda suspects=False: [],
+               spawn=lambda coro: coro.close()) -> Accusations:
     distrusted: list[str] = []
     guard = UpdateGuard("judge", distrusted.append)
     verifier = EnvelopeVerifier(RUN, is_member=lambda key: True, kinds={DELTA})
     auditor = Auditor(CODEC, lambda p: N, lambda p: 0, OUTER, 0.5, 3.0, 1,
                       lambda frame: verifier.open(frame, fresh=False), guard)
     store = FragmentStore([torch.zeros(N)])
-    members = types.SimpleNamespace(peer_id="judge", servers=lambda: [])
+    members = types.SimpleNamespace(peer_id="judge", servers=servers)
     acc = Accusations(Identity.generate(), types.SimpleNamespace(run_id=RUN), store, members, PeerClient(),
-                      PeerServer(), CODEC, auditor, guard, lambda key: True, lambda coro: coro.close(),
-                      auditor.stats)
+                      server or PeerServer(), CODEC, auditor, guard, lambda key: True, spawn, auditor.stats)
     acc.distrusted = distrusted
     return acc
+
+
+@pytest.fixture
+def judge():
+    return make_judge()
 
 
 async def test_an_accusation_whose_evidence_recomputes_wrong_is_upheld_once_and_distrusts_the_owner(judge):
@@ -134,6 +142,51 @@ async def test_evidence_that_does_not_hold_together_is_a_typed_error_and_changes
             await judge._on_accuse(env, None)
     assert judge.distrusted == [] and not judge.guard.refused and not judge.judged
     assert judge.stats["accusations_upheld"] == judge.stats["accusations_dismissed"] == 0
+
+
+async def test_an_accusation_reaches_a_member_that_did_not_answer_at_first_and_one_that_appears_later(monkeypatch):
+    # the byzantine benchmark: a member that was not in the replica's live view when its audit failed never
+    # got the evidence, and trained on the sign-flipped versions to the end (eval loss 3.2 against 2.5)
+    monkeypatch.setattr(accuse, "DELIVER_EVERY_S", 0.1)
+    monkeypatch.setattr(accuse, "DELIVER_FOR_S", 5.0)
+    owner, learners, accuser = Identity.generate(), [Identity.generate() for _ in range(3)], Identity.generate()
+    (base, m1), _, (flipped, _) = owner_rounds(owner, learners)
+    with socket.socket() as sock:  # (a port nothing listens on yet: its connections are refused)
+        sock.bind(("127.0.0.1", 0))
+        late_port = sock.getsockname()[1]
+    servers = [PeerServer(), PeerServer(port=late_port), PeerServer()]
+    judges = [make_judge(srv) for srv in servers]
+    await servers[0].start()
+    await servers[2].start()
+    listed = [types.SimpleNamespace(peer_id=f"judge{i}", url=srv.url) for i, srv in enumerate(servers[:2])]
+    listed.append(types.SimpleNamespace(peer_id=owner.peer_id, url=servers[0].url))  # (the accused: not sent to)
+    tasks: list[asyncio.Task] = []
+    me = make_judge(servers=lambda suspects=False: list(listed), spawn=lambda coro: tasks.append(asyncio.create_task(coro)))
+    me.identity = accuser
+    try:
+        f = ReplicateFields.parse(flipped.fields, 1)
+        me.accuse(types.SimpleNamespace(p=0, new=f.label), owner.peer_id, base.prefix(),
+                  types.SimpleNamespace(payload=m1), flipped)
+        await asyncio.sleep(0.5)
+        assert judges[0].stats["accusations_upheld"] == 1 and me.stats["accusations_sent"] == 1
+        await servers[1].start()  # (it answers now)
+        listed.append(types.SimpleNamespace(peer_id="judge2", url=servers[2].url))  # (it joined)
+        for _ in range(50):
+            if me.stats["accusations_sent"] == 3:
+                break
+            await asyncio.sleep(0.1)
+        assert [j.stats["accusations_upheld"] for j in judges] == [1, 1, 1], "a member never got the evidence"
+        assert all(j.distrusted == [owner.peer_id] for j in judges)
+        assert me.stats["accusations_sent"] == 3, "a member that had it already was sent it again"
+        assert servers[0].counters.served[ROUTE_ACCUSE].requests == 1, "sent to the accused owner, or twice"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for srv in servers:
+            await srv.stop()
+        await me.client.close()
+        for j in judges:
+            await j.client.close()
 
 
 def test_a_replication_whose_mdigest_does_not_name_its_momentum_does_not_parse_as_evidence():

@@ -283,6 +283,52 @@ async def test_a_malformed_have_list_is_refused_and_changes_nothing(client, have
         await stop_all(nodes)
 
 
+async def test_a_replier_leaves_out_of_its_contacts_the_nodes_a_lookup_names_as_known(client):
+    nodes = await swarm(6, client)
+    a, b = nodes[0], nodes[1]
+    try:
+        target = random.Random(1).getrandbits(160)
+        theirs = [n for n in b.routing.closest(target, 20) if n.node_id != a.identity.node_id]
+        assert len(theirs) >= 3
+        named, unnamed = theirs[:2], theirs[2:]
+        # (a prefix of no NodeInfo b holds, e.g. of an older address of a node that moved, hides nothing)
+        known = [n.signature[:8] for n in named] + [b"\0" * 8]
+        for op, body in (("find_node", {"target": target.to_bytes(20, "big")}), ("find_value", {"key": "k"})):
+            reply = await a._rpc(b.url, op, {**body, "known": known}, b.identity.node_id)
+            got = [n.node_id for n in reply["nodes"]]
+            if op == "find_node":
+                assert got == [n.node_id for n in unnamed]
+            assert not {n.node_id for n in named} & set(got)
+        # a lookup names the contacts it starts from: a poll among nodes that all know each other moves none
+        sent: list[dict] = []
+        rpc = a._rpc
+
+        async def spy(url, op, body, expect):
+            reply = await rpc(url, op, body, expect)
+            if op != "store":
+                sent.append({"op": op, "known": len(body.get("known", [])), "nodes": len(reply["nodes"])})
+            return reply
+
+        a._rpc = spy
+        await a.store("m", b"v", time.time() + 60, subkey=a.identity.peer_id)
+        await a.get("m", latest=True)
+        assert any(s["op"] == "find_value" for s in sent) and all(s["known"] == 5 for s in sent), sent
+        assert all(s["nodes"] == 0 for s in sent), sent
+    finally:
+        await stop_all(nodes)
+
+
+@pytest.mark.parametrize("known", [[b"short"], "not a list", [b"\0" * 8] * 65])
+async def test_a_malformed_known_list_is_refused(client, known):
+    nodes = await swarm(2, client)
+    try:
+        with pytest.raises(Exception, match="400|known"):
+            await nodes[0]._rpc(nodes[1].url, "find_node", {"target": b"\0" * 20, "known": known},
+                                nodes[1].identity.node_id)
+    finally:
+        await stop_all(nodes)
+
+
 async def test_a_poll_for_the_latest_dictionary_asks_no_more_nodes_than_its_quorum_needs(client, monkeypatch):
     asked: list[str] = []
     handle = DHTNode._handle

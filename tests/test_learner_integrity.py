@@ -177,7 +177,7 @@ def test_no_step_waits_for_an_owner_that_answers_after_5_s(pair, monkeypatch):
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "setpriority"), reason="per-thread nice is Linux's")
-def test_the_swarm_and_theta_threads_run_below_the_training_threads_priority(alone):
+def test_the_swarms_worker_threads_run_below_the_training_threads_priority_and_its_loop_does_not(alone):
     import os
 
     from diloco.node.niceness import BACKGROUND_NICE
@@ -185,10 +185,12 @@ def test_the_swarm_and_theta_threads_run_below_the_training_threads_priority(alo
     ll = alone()
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     ll.train(12)  # (θ's threads and the loop's workers have work by now)
-    swarm_threads = [t for t in threading.enumerate() if t.name.startswith("diloco-") and t.native_id]
-    workers = [t for t in threading.enumerate() if t.name.startswith("asyncio_") and t.native_id]
-    names = {t.name for t in swarm_threads}
-    assert {"diloco-swarm", "diloco-theta", "diloco-theta-copy"} <= names, names
-    for t in swarm_threads + workers:
+    named = {t.name: t for t in threading.enumerate() if t.native_id}
+    assert {"diloco-swarm", "diloco-theta", "diloco-theta-copy"} <= set(named), sorted(named)
+    workers = [t for name, t in named.items() if name.startswith("swarm-worker_")]
+    assert workers, sorted(named)
+    for t in [named["diloco-theta"], named["diloco-theta-copy"], *workers]:
         assert os.getpriority(os.PRIO_PROCESS, t.native_id) == min(19, mine + BACKGROUND_NICE), t.name
+    # (the loop holds the GIL while it runs: preempted, it would hold the training thread up with it)
+    assert os.getpriority(os.PRIO_PROCESS, named["diloco-swarm"].native_id) == mine, "the event loop is untouched"
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine, "the training thread is untouched"

@@ -152,6 +152,30 @@ async def test_new_connections_over_the_rate_are_closed_at_their_first_byte():
         await srv.stop()
 
 
+async def test_once_its_connection_bucket_is_empty_an_address_is_closed_at_accept():
+    """Closed in `accept()` (protocol/listen.py): no transport, no gate, no handler is built for it."""
+    srv = await start_server(Limits(conn_rate_per_s=0.001, conn_burst=2))
+    conns = []
+    try:
+        for _ in range(2):  # two connections that sent their first bytes: the address's bucket is empty
+            r, w = await open_raw(srv, STRANGER)
+            conns.append((r, w))
+            w.write(b"GET /v1/ping HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await asyncio.wait_for(r.readline(), 2)).startswith(b"HTTP/1.1 200")
+        assert srv.limiter.stats["refused_at_accept"] == 0
+        r, w = await open_raw(srv, STRANGER)
+        conns.append((r, w))
+        assert await is_closed(r, 1.0)
+        assert srv.limiter.stats["refused_at_accept"] == 1
+        assert srv.limiter.connections(STRANGER) == 2  # (the gate never saw the third)
+        async with session("127.0.0.1") as s:
+            assert await get(s, srv) == 200  # (another address: its own bucket)
+    finally:
+        for _, w in conns:
+            w.close()
+        await srv.stop()
+
+
 async def test_at_the_total_cap_a_new_address_evicts_the_heaviest_one():
     srv = await start_server(Limits(conns_per_addr=10, conns_total=4))
     conns = []

@@ -12,12 +12,16 @@ import signal
 import statistics
 import threading
 import time
+import types
 
 import pytest
 import torch
 from aiohttp import web
 
+from diloco.coordinator.ownership import owners
+from diloco.coordinator.runspec import Genesis
 from diloco.node.preempt import MetadataPoller, Notice, install_signals
+from diloco.protocol.identity import Identity
 
 from .helpers import Proc
 from .swarm_utils import LocalLearner, get_status, tiny_run, wait_until
@@ -124,6 +128,21 @@ def fleet(tmp_path):
 def _version(text: str) -> tuple[int, int]:
     term, version = text.split(".")
     return int(term), int(version)
+
+
+def keys_where_one_of_owns(f: Fleet, n: int, candidates: list[int]) -> None:
+    """Write the keys of learners 0..n-1 of `f` so that, once all n are live, one among `candidates` owns a
+    fragment (the rendezvous ranking of their ids, coordinator/ownership.py): random keys give every fragment
+    to one learner now and then (1 start in 81 for 3 learners and 4 fragments)."""
+    spec = Genesis.load(f.dir / "run.spec").spec
+    while True:
+        keys = [Identity.generate() for _ in range(n)]
+        members = [types.SimpleNamespace(peer_id=k.peer_id, client_mode=False) for k in keys]
+        firsts = {owners(spec.run_id, p, members, replicas=0)[0] for p in range(spec.fragments)}
+        if any(keys[i].peer_id in firsts for i in candidates):
+            break
+    for i, k in enumerate(keys):
+        k.save(f.dir / f"key{i}.pem")
 
 
 def settled_owner(urls: list[str], candidates: list[int]) -> tuple[int, dict, list[dict]]:
@@ -276,9 +295,12 @@ def test_a_drain_cut_short_by_its_deadline_still_exits_and_a_second_sigterm_exit
     what it could not finish, writes its checkpoint and exits 0 in time; one that gets a second SIGTERM exits
     at once with 143, without draining."""
     f = fleet()
+    # the member stopped is one that owns a fragment (a member may own none, and then nothing the short drain
+    # does need wait on it): the short drain's delta to it is still in flight at 4 s
+    keys_where_one_of_owns(f, 3, [0, 2])
     procs = [f.start(0, 100000), f.start(1, 100000, "--drain-s", "4"), f.start(2, 100000)]
-    settled_owner([p.events("joined")[0]["url"] for p in procs], [0, 1, 2])
-    stopped, short, twice = procs
+    victim, _, _ = settled_owner([p.events("joined")[0]["url"] for p in procs], [0, 2])
+    stopped, short, twice = procs[victim], procs[1], procs[2 - victim]
     stopped.popen.send_signal(signal.SIGSTOP)  # (its answers never come: the others' drains wait on them)
     try:
         signalled = time.time()

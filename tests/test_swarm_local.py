@@ -1,5 +1,7 @@
 """Learners in one process (one swarm thread each): the fragment protocol end to end, fast."""
 
+import asyncio
+import threading
 import time
 from collections.abc import Callable
 
@@ -9,7 +11,7 @@ import torch
 from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.shard import Shard
 from diloco.coordinator.version import Version
-from diloco.coordinator.wire import FragRecord
+from diloco.coordinator.wire import FragRecord, UpdateFields
 from diloco.node import swarm as swarm_mod
 
 from .swarm_utils import LocalLearner, fast_config, tiny_run, wait_until
@@ -152,6 +154,42 @@ def test_a_joiner_of_a_sparse_run_builds_young_fragments_from_its_own_genesis_an
             assert torch.equal(late.learner.swarm.store.held[p].anchor, anchor)
             theta = late.learner.plan.flatten(p, late.learner.params)  # (its moves: rounding apart, the same)
             assert (theta - anchor).abs().max() < 1e-6 < (anchor - start[p]).abs().max()
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_behind_takes_the_kept_updates_from_the_owner_when_the_holder_it_asked_keeps_none(fleet):
+    """Only p's owner and replicas keep its update frames: a learner catching up from another holder (one that
+    pushed or announced a version) gets a 404 for them there, and must ask the owner before it downloads the
+    whole fragment (a sparse run's update is ~1/20 of the fp32 fragment)."""
+    import asyncio
+
+    genesis = tiny_run(codec="topk", fragments=2)
+    learners = two_versions_in(fleet, genesis, 4)
+    p = 0
+
+    def settled() -> bool:
+        views = {tuple(ll.learner.swarm.members.roles(p)) for ll in learners}
+        return len(views) == 1 and len({tuple(ll.learner.labels) for ll in learners}) == 1
+
+    wait_until(settled, 30, "one view of p's roles and the same versions everywhere")
+    roles = learners[0].learner.swarm.members.roles(p)
+    assert len(roles) == 2, roles  # an owner and one replica: two bystanders
+    behind, source = [ll for ll in learners if ll.learner.identity.peer_id not in roles]
+    old = behind.learner.swarm.store.snapshot(p)
+    for ll in learners:
+        ll.train(10)
+    wait_until(lambda: settled() and learners[0].learner.labels[p] > old[1], 30, "a newer version of p everywhere")
+    newest = learners[0].learner.labels[p]
+    assert source.learner.swarm.store.updates_after(p, old[1]) is None  # (a bystander keeps no frames of p)
+    store, sync = behind.learner.swarm.store, behind.learner.swarm.sync
+    store.install(p, old[0], old[1], old[2], replacing=newest)  # back to the version it held before
+    full, by_updates = sync.stats["full_downloads"], sync.stats["caught_up_by_updates"]
+    reach = sync.reach(p, [source.learner.identity.peer_id], newest)
+    assert asyncio.run_coroutine_threadsafe(reach, behind.learner.swarm._loop).result(30)
+    owner = next(ll for ll in learners if ll.learner.identity.peer_id == roles[0]).learner.swarm.store
+    assert store.label(p) == newest and torch.equal(store.held[p].anchor, owner.held[p].anchor)
+    assert sync.stats["full_downloads"] == full, "the whole fragment was downloaded from the bystander"
+    assert sync.stats["caught_up_by_updates"] == by_updates + 1
 
 
 @pytest.mark.timeout(120)
@@ -612,3 +650,121 @@ def test_an_owner_announces_each_fragment_in_the_dht_at_most_once_per_interval_a
         times = [t for q, _, t in stores if q == p]
         assert all(b - a >= every - 0.05 for a, b in zip(times, times[1:], strict=False)), f"fragment {p}: {times}"
     assert published >= 3 * len(stores) > 0, (published, stores)
+
+
+@pytest.mark.timeout(120)
+def test_an_owner_never_signs_two_versions_of_one_label_so_a_replica_never_audits_against_the_wrong_one(fleet):
+    # the replica holds the owner's first version n+1 and its momentum; the owner does not publish it (no answer
+    # came back: it waits for the view to move on) and, the learners' deltas having changed meanwhile, steps
+    # again from n while the replica is away for a moment. Signing another n+1 in the same term made the
+    # replica audit n+2 against the first n+1's momentum and refuse an honest owner (before the fix: n+1
+    # replicated twice, the replica's audit failed, it stopped trusting the owner and p stalled)
+    learners, owner, replica, p = owner_and_replica(fleet)
+    shard = owner.learner.swarm.shard
+    replicate, calls = shard.replication.replicate, []
+    go = threading.Event()
+
+    async def answer_lost_then_replica_away(p_, term, label, *args, **kwargs):
+        if p_ != p:
+            return await replicate(p_, term, label, *args, **kwargs)
+        calls.append(label)
+        if len(calls) == 1:
+            await replicate(p_, term, label, *args, **kwargs)  # the replica keeps it; the owner hears nothing
+            while not go.is_set():
+                await asyncio.sleep(0.05)
+            return None
+        if len(calls) == 2:
+            return set()  # (the replica is out of the owner's view for this one)
+        return await replicate(p_, term, label, *args, **kwargs)
+
+    shard.replication.replicate = answer_lost_then_replica_away
+    replica_stats = replica.learner.swarm.shard.stats
+    sync = owner.learner.swarm.sync
+    catch_up = sync.catch_up  # (its watch would bring the first n+1 back from the replica: then it steps from that)
+    sync.catch_up = lambda q, sources: catch_up(q, sources) if q != p else None
+    shard._behind = lambda p, owner, sender: None  # (nor do the replica's next delta and reads: it stays deaf)
+    sync.on_held_above = None
+    before = owner.learner.labels[p]
+    for ll in learners:
+        ll.train(10)
+    wait_until(lambda: calls, 30, "the first replication")
+    for ll in learners:
+        ll.train(10)  # newer deltas replace the round's: a step from n now differs from the first one
+    time.sleep(1.0)
+    go.set()
+    deadline = time.monotonic() + 60
+    while len(calls) < 4 or not all(ll.learner.labels[p].version >= before.version + 3 for ll in learners):
+        assert time.monotonic() < deadline, f"two versions after the first one; replicated {calls[:8]}, the " \
+                                            f"replica's {dict(replica_stats)}"
+        for ll in learners:
+            ll.train(10)
+        time.sleep(0.2)
+    labels = {(v.term, v.version) for v in calls}
+    assert len(labels) == len(calls), f"one label replicated twice: {calls}"
+    assert replica_stats["audits_failed"] == 0 and replica_stats["audits_passed"] >= 1, dict(replica_stats)
+    assert not replica.learner.swarm.sync.guard.distrusted
+
+
+@pytest.mark.timeout(120)
+def test_an_owner_whose_own_unpublished_version_comes_back_merges_its_deltas_once_with_that_versions_momentum(fleet):
+    # the owner replicated n+1 and hears nothing back; its watch fetches n+1 from the replica meanwhile. The
+    # round's deltas are in n+1 now: they are not merged again, and the next step uses n+1's momentum
+    learners, owner, replica, p = owner_and_replica(fleet)
+    shard, store = owner.learner.swarm.shard, owner.learner.swarm.store
+    replicate, calls = shard.replication.replicate, []
+
+    async def answer_lost(p_, term, label, *args, **kwargs):
+        acked = await replicate(p_, term, label, *args, **kwargs)
+        if p_ != p or calls:
+            return acked
+        calls.append(label)
+        for _ in range(200):  # (the watch runs every second)
+            if store.label(p) == label:
+                return None
+            await asyncio.sleep(0.05)
+        raise AssertionError("the owner's watch did not fetch its own version from the replica")
+
+    shard.replication.replicate = answer_lost
+    before = owner.learner.labels[p]
+    deadline = time.monotonic() + 60
+    while not all(ll.learner.labels[p].version >= before.version + 3 for ll in learners):
+        assert time.monotonic() < deadline, f"two versions after the one that came back: {dict(shard.stats)}"
+        for ll in learners:
+            ll.train(10)
+        time.sleep(0.2)
+    assert calls and shard.stats["publications_abandoned"] >= 1
+    merged: dict[bytes, list] = {}
+    for _, new, frame in store.held[p].updates:
+        f = UpdateFields.parse(owner.learner.swarm.sync.verifier.open(frame, fresh=False).fields, len(store))
+        for m in f.merged:
+            merged.setdefault(m.digest, []).append(new)
+    twice = {d.hex()[:8]: v for d, v in merged.items() if len(v) > 1}
+    assert not twice, f"deltas merged into two versions: {twice}"
+    assert replica.learner.swarm.shard.stats["audits_failed"] == 0
+    assert shard.owners[p].label == store.label(p)
+
+
+@pytest.mark.timeout(120)
+def test_a_draining_owner_passes_the_deltas_it_took_after_its_last_early_step_on_to_the_next_owner(fleet, monkeypatch):
+    # deltas keep arriving until the others see the drain: those that came after a fragment's last early step
+    # are still pending at the release, and go to the fragment's next owner, exactly as signed, not dropped
+    from diloco.coordinator import drain
+
+    monkeypatch.setattr(drain, "FINAL_ROUNDS", 0)  # (every delta comes "after the last early step")
+    learners = fleet(tiny_run(quorum=3), 3)  # (one delta is never a round: it stays pending)
+    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 3 for ll in learners), 20, "3 live members")
+    owner = next(ll for ll in learners if ll.learner.swarm.shard.owners)
+    sender = next(ll for ll in learners if ll is not owner)
+    sender_id = sender.learner.swarm.identity.peer_id
+    shard = owner.learner.swarm.shard
+    sender.train(10)
+    wait_until(lambda: any(sender_id in o.pending for o in list(shard.owners.values())), 20,
+               "the sender's delta pending at the owner")
+    held = sorted(p for p, o in list(shard.owners.items()) if sender_id in o.pending)
+    report = owner.learner.swarm.drain(time.monotonic() + 15)
+    assert report.passed_on == len(held) and report.dropped_deltas == 0, report
+    assert shard.stats["deltas_dropped_on_handoff"] == 0
+    for p in held:
+        nxt = next(ll for ll in learners if ll is not owner and p in ll.learner.swarm.shard.owners)
+        taken = nxt.learner.swarm.shard.owners[p]
+        assert sender_id in taken.pending or taken.label.version > 0, f"fragment {p}: the delta did not arrive"

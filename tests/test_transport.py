@@ -10,7 +10,7 @@ from aiohttp import http_exceptions, web
 from diloco.protocol import intake
 from diloco.protocol.deadlines import DeadlinePolicy, LinkEstimator
 from diloco.protocol.envelope import EnvelopeVerifier, register_kind, seal
-from diloco.protocol.errors import BackPressure
+from diloco.protocol.errors import BackPressure, Unavailable
 from diloco.protocol.identity import Identity
 from diloco.protocol.transport import (
     DeadlineExceeded,
@@ -41,8 +41,17 @@ async def server():
     async def big(request):
         return web.Response(body=b"x" * 4096)
 
+    async def not_yet(env, request):  # (refuses a message until it has refused it once: an owner-to-be)
+        if not srv.refused:
+            srv.refused.append(env)
+            raise Unavailable("not the owner of fragment 1 yet")
+        seen.append(env)
+        return b"ok"
+
+    srv.refused = []
     srv.add_envelope_route("/v1/echo", EnvelopeVerifier(RUN), echo, kinds={"test.blob"})
     srv.add_envelope_route("/v1/busy", EnvelopeVerifier(RUN), busy)
+    srv.add_envelope_route("/v1/not-yet", EnvelopeVerifier(RUN), not_yet)
     srv.add_route("GET", "/v1/big", big)
     await srv.start()
     srv.seen = seen
@@ -75,6 +84,27 @@ async def test_protocol_errors_become_status_and_one_line_reason(server):
             await client.send_envelope(server.url, "/v1/busy", seal(ME, "test.blob", RUN, {}, b""))
         assert e.value.status == 429 and "retry later" in e.value.reason
     assert server.seen == []
+
+
+async def test_a_message_refused_as_unavailable_may_be_sent_again_but_one_taken_is_not(server):
+    # a drain relays a signed delta to the fragment's next owner until that owner knows it owns it (503):
+    # the same bytes must get in then; once taken, they are a replay like any other
+    env = seal(ME, "test.blob", RUN, {"p": 1}, b"delta")
+    async with PeerClient() as client:
+        with pytest.raises(RemoteError) as e:
+            await client.send_envelope(server.url, "/v1/not-yet", env)
+        assert e.value.status == 503
+        assert await client.send_envelope(server.url, "/v1/not-yet", env) == b"ok"
+        with pytest.raises(RemoteError) as e:
+            await client.send_envelope(server.url, "/v1/not-yet", env)
+        assert e.value.status == 409 and "already received" in e.value.reason
+        with pytest.raises(RemoteError) as e:  # (any other refusal still spends the nonce)
+            await client.send_envelope(server.url, "/v1/busy", env)
+        assert e.value.status == 429
+        with pytest.raises(RemoteError) as e:
+            await client.send_envelope(server.url, "/v1/busy", env)
+        assert e.value.status == 409
+    assert len(server.seen) == 1
 
 
 async def test_wrong_kind_on_route_is_400(server):

@@ -39,6 +39,7 @@ MAX_RECORDS_PER_STORE = 64
 MAX_PINGS = 64  # liveness pings of full buckets' oldest contacts in flight at once
 HAVE_BYTES = 8  # a record named in `have`/`same` by its signature's first bytes (docs/protocol.md §5.5)
 MAX_HAVE = 10_000
+MAX_KNOWN = 64  # NodeInfos a lookup names in `known`, by signature prefix: a replier leaves them out of `nodes`
 SEEN_KEYS = 256  # keys whose last `get_records` result is kept, to name in the next lookup's `have`
 register_kind("dht", MAX_REQUEST)
 register_kind("dht.reply", MAX_REPLY)
@@ -252,14 +253,16 @@ class DHTNode:
         known = known or {}
         k, alpha = self.config.k, self.config.alpha
         candidates = {n.node_id: n for n in self.routing.closest(target, k)}
+        # (the contacts we start from: a replier leaves them out of its `nodes`, which would only repeat them)
+        named = {"known": sorted({n.signature[:HAVE_BYTES] for n in candidates.values()})} if candidates else {}
         answered: set[int] = set()
         failed: set[int] = set()
         values: list[list[ValueRecord]] = []
         pending: dict[asyncio.Task, NodeInfo] = {}
         if key is None:
-            op, body = "find_node", {"target": _id_bytes(target)}
+            op, body = "find_node", {"target": _id_bytes(target), **named}
         else:
-            op, body = "find_value", {"key": key, **({"have": sorted(known)[:MAX_HAVE]} if known else {})}
+            op, body = "find_value", {"key": key, **named, **({"have": sorted(known)[:MAX_HAVE]} if known else {})}
         if target != self.identity.node_id:
             self.routing.touch_bucket_for(target)
         try:
@@ -372,22 +375,21 @@ class DHTNode:
         if sender.public_key != env.sender:
             raise Malformed("node info does not belong to the envelope's signer")
         op = env.fields.get("op")
-        k = self.config.k
         if op == "ping":
             out: dict[str, Any] = {}
         elif op == "find_node":
             target = _target(body.get("target"))
-            out = {"nodes": [n.to_wire() for n in self.routing.closest(target, k, exclude={sender.node_id})]}
+            out = {"nodes": self._contacts(target, sender, body)}
         elif op == "find_value":
             key = body.get("key")
             if not isinstance(key, str):
                 raise Malformed("find_value needs a string key")
             have = _have(body.get("have", []))
             held = self.storage.get(key)
-            nodes = self.routing.closest(key_id(key), k, exclude={sender.node_id})
+            nodes = self._contacts(key_id(key), sender, body)
             recs = _records_of(held.plain, held.subkeys.values()) if held else []
             same = [r.signature[:HAVE_BYTES] for r in recs if r.signature[:HAVE_BYTES] in have]
-            out = {"nodes": [n.to_wire() for n in nodes],
+            out = {"nodes": nodes,
                    "records": [r.to_wire() for r in recs if r.signature[:HAVE_BYTES] not in have],
                    **({"same": same} if same else {})}
         elif op == "store":
@@ -397,6 +399,12 @@ class DHTNode:
         self._saw(sender)
         payload = canonical.packb({"node": self.info.to_wire(), **out})
         return seal(self.identity, "dht.reply", self.network_id, {"reply_to": env.nonce}, payload).to_bytes()
+
+    def _contacts(self, target: int, sender: NodeInfo, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """Up to k contacts closest to `target`, without the requester and the NodeInfos it names in `known`."""
+        known = _have(body.get("known", []), "known", MAX_KNOWN)
+        closest = self.routing.closest(target, self.config.k, exclude={sender.node_id})
+        return [n.to_wire() for n in closest if n.signature[:HAVE_BYTES] not in known]
 
     def _store_many(self, records: Any) -> list[str | None]:
         if not isinstance(records, list) or len(records) > MAX_RECORDS_PER_STORE:
@@ -446,12 +454,12 @@ def _target(raw: Any) -> int:
     return int.from_bytes(raw, "big")
 
 
-def _have(raw: Any) -> set[bytes]:
-    """A `have` (or `same`) list: at most `MAX_HAVE` signature prefixes of `HAVE_BYTES` bytes each."""
-    if not isinstance(raw, list) or len(raw) > MAX_HAVE:
-        raise Malformed(f"have must list at most {MAX_HAVE} signature prefixes")
+def _have(raw: Any, name: str = "have", limit: int = MAX_HAVE) -> set[bytes]:
+    """A `have`, `same` or `known` list: at most `limit` signature prefixes of `HAVE_BYTES` bytes each."""
+    if not isinstance(raw, list) or len(raw) > limit:
+        raise Malformed(f"{name} must list at most {limit} signature prefixes")
     if not all(isinstance(p, bytes) and len(p) == HAVE_BYTES for p in raw):
-        raise Malformed(f"each have entry is {HAVE_BYTES} bytes")
+        raise Malformed(f"each {name} entry is {HAVE_BYTES} bytes")
     return set(raw)
 
 
