@@ -121,6 +121,8 @@ class Membership:
         self.key = members_key(spec.run_id)
         self.members: dict[str, Member] = {}
         self.suspects: dict[str, float] = {}  # peer_id -> the record expiration it had when suspected
+        self._suspected_at: dict[str, float] = {}  # peer_id -> when (time.time()) we suspected it, until a record
+        # refreshed before that moment has been read once (`_refreshed_since_suspected`)
         self.on_change: list[Callable[[], None]] = []
         self.roster = roster or Roster(spec)
         self.certificate = certificate
@@ -216,6 +218,7 @@ class Membership:
             return
         log.info("suspecting %s (unreachable)", peer_id[:8])
         self.suspects[peer_id] = m.expiration
+        self._suspected_at[peer_id] = time.time()
         self.changed()
 
     def distrust(self, peer_id: str) -> None:
@@ -280,10 +283,25 @@ class Membership:
         self.members = found
         for peer_id, at in list(self.suspects.items()):
             m = found.get(peer_id)
-            if m is None or m.expiration > at:  # gone for good, or alive again (it refreshed)
-                del self.suspects[peer_id]
+            if m is None or (m.expiration > at and self._refreshed_since_suspected(peer_id, m)):
+                del self.suspects[peer_id]  # gone for good, or alive again (it refreshed)
+                self._suspected_at.pop(peer_id, None)
         self.polls += 1
         self.changed()
+
+    def _refreshed_since_suspected(self, peer_id: str, m: Member) -> bool:
+        """A suspect's record newer than the one it had when suspected: alive again, unless it was refreshed
+        before the suspicion (by its expiration: its clock's store time + TTL). The DHT may hand us such a record
+        late, when the peer stored it between our last poll and its death; routing to it again would move its
+        fragments back to a dead owner for a moment, and the owner state handed to it would be lost. Such a
+        record is passed over once (it becomes the one to beat); any newer one clears the suspicion, so a live
+        peer whose clock runs behind ours is cleared at its next refresh at the latest."""
+        at = self._suspected_at.pop(peer_id, None)
+        if at is None or m.expiration - self.ttl_s >= at:
+            return True
+        self.suspects[peer_id] = m.expiration
+        log.info("a record of suspect %s stored before it failed to answer: still a suspect", peer_id[:8])
+        return False
 
     def _heard(self, found: dict[str, Member]) -> None:
         """Note the records refreshed since the last poll (`heard`); forget peers silent for `HEARD_KEPT_S`."""

@@ -297,8 +297,9 @@ class Shard:
         # writes only its own buffers, and a popped owner never commits again.
         anchor, label, cert = self.store.snapshot(p)
         if label != GENESIS and label == owner.label:
-            if self.members.peer_id in roles:  # still a replica of p: keep what a replica would
-                self.replication.keep(p, label, owner.momentum)
+            # kept as a replica keeps it, replica of p or not: the new owner may be gone before the hand-over
+            # reaches it (a dead peer's late member record), and the next one pulls it from here
+            self.replication.keep(p, label, owner.momentum)
             self._spawn(self.replication.send_full(p, new_owner, owner.term, owner.momentum, cert, anchor))
 
     async def drain(self, deadline: float, rank_out: Callable[[], None]) -> OwnerDrain:
