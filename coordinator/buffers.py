@@ -60,6 +60,12 @@ class BufferPool:
             if len(self._idle) < self.keep and buf.numel() == self.capacity:
                 self._idle.append(buf)
 
+    def lends(self, view: Tensor) -> bool:
+        """`view` is out on loan from this pool (taken, not given back yet)."""
+        with self._lock:
+            ref, _ = self._lent.get(id(view), (None, None))
+            return ref is not None and ref() is view
+
     def lent(self) -> int:
         """How many buffers are out (taken, not given back, still referenced)."""
         with self._lock:

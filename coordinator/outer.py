@@ -65,7 +65,7 @@ class OuterOptimizer:
     def update_into(self, delta: Tensor, momentum: Tensor | None = None, out: Tensor | None = None) -> Tensor | None:
         """The same step as `step`, as the update U = Θ' − Θ = −lr·g written over `delta`. The new momentum
         buffer goes into `out` (a fresh tensor when None; `momentum` itself for an in-place step) and is
-        returned; `momentum` is read only. Needs no Θ: what an owner runs every round, into a spare buffer so
+        returned; `momentum` is read only. Needs no Θ: what an owner runs every round, into a buffer of its own so
         that its committed momentum stays as it was until the version is published."""
         with torch.no_grad():
             buf = None

@@ -108,7 +108,6 @@ class FragmentOwner:
         self.momentum = momentum  # committed: the momentum of the version `label`
         self.residual: Encoded | None = None  # error feedback, kept int8: 1 B/param instead of 4
         self.label: Version | None = None  # the version whose owner state this is (None: not known yet)
-        self._spare: Tensor | None = None  # the buffer the next step writes its momentum into
         self.held_back = False  # no step while True (a new owner reaching the newest version first)
         self.published = 0  # versions committed by this ownership
         self.signed: Version | None = None  # the newest version this ownership sent to its replicas
@@ -189,29 +188,30 @@ class FragmentOwner:
             raise InvalidContribution(f"no delta for fragment {self.p} in this round")
         pool = self.pool
         committed, residual = self.momentum, self.residual
-        spare = self._spare if self._spare is not None and self._spare is not committed else None
-        scratch, update, decoded = pool.take(self.numel), pool.take(self.numel), pool.take(self.numel)
+        scratch, update = pool.take(self.numel), pool.take(self.numel)
+        fresh = pool.take(self.numel) if self.outer.momentum != 0 else None  # the new momentum's buffer
         try:
             result = merge(contributions, clip_c=self.settings.clip_c, embedding_numel=self.embedding_numel,
                            out=update, scratch=scratch, reference_norms=tuple(self.norms),
                            max_share=self.settings.max_share, sparse=self.codec.sparse)
-            momentum = self.outer.update_into(result.delta, committed, out=spare)  # result.delta is now U
+            momentum = self.outer.update_into(result.delta, committed, out=fresh)  # result.delta is now U
             # a sparse codec's update holds every coordinate of the merge and rounds only the values: no
             # residual, so a replica recomputes it to that rounding (docs/protocol.md §7.21)
             feedback = self.settings.error_feedback and not self.codec.sparse
             if feedback and residual is not None:
                 update.add_(residual.decode(self.numel, out=scratch))
             meta, payload = self.codec.encode_update(update, len(contributions))
-            self.codec.decode(meta, payload, max_elements=self.numel, out=decoded)
+            self.codec.decode(meta, payload, max_elements=self.numel, out=scratch)  # U as every holder decodes it
+            decoded = scratch
             if feedback:
                 # what the codec dropped, carried into the next update; its own int8 rounding (~1/256 of a
                 # residual that is itself ~1/256 of the update) is not carried
                 residual = Encoded(RESIDUAL_CODEC, *RESIDUAL_CODEC.encode(update.sub_(decoded)))
         except BaseException:
-            pool.give(decoded)
+            pool.give(scratch)
+            pool.give(fresh)
             raise
         finally:
-            pool.give(scratch)
             pool.give(update)
         return Publication(
             p=self.p,
@@ -251,7 +251,8 @@ class FragmentOwner:
         self.published += 1
         self.stepped = pub.new
         self.norms.extend(pub.norms)
-        self._spare = old if old is not pub.momentum else None  # the next step writes into it
+        if old is not None and old is not pub.momentum and self.pool.lends(old):
+            self.pool.give(old)  # (a step's buffer, read by nothing once replaced: hand-overs copy or pop first)
 
     def adopt_momentum(self, momentum: Tensor, label: Version) -> bool:
         """Take the momentum of version `label` that arrived after the takeover (pulled from a member, or a
@@ -267,7 +268,7 @@ class FragmentOwner:
         they are dropped and counted. Either way no version names them, so their learners keep that progress
         in θ and send it again with their next delta. Returns how many were dropped."""
         if pub is not None and pub.momentum is not None and pub.momentum is not self.momentum:
-            self._spare = pub.momentum  # (scratch: reused by the next step)
+            self.pool.give(pub.momentum)  # (the step's own buffer: never committed)
         dropped = 0
         for d in batch:
             if not requeue or d.learner in self.pending:

@@ -197,3 +197,34 @@ def test_the_clipping_reference_is_committed_with_the_version_and_clips_a_huge_d
     before = list(o.norms)
     o.abandon(pub, batch, requeue=False)
     assert list(o.norms) == before  # a round that is not published leaves the reference as it was
+
+
+def test_an_owner_holds_one_momentum_between_rounds_and_gives_every_step_buffer_back():
+    """An owner's fp32 buffers come from the swarm's pool: between rounds it holds its committed momentum only
+    (no spare kept for the next step, 4 B/param per owned fragment), and a committed or abandoned round gives
+    the replaced momentum and the step's work buffers back."""
+    from diloco.coordinator.buffers import BufferPool
+
+    int4 = get_codec("int4")
+    pool = BufferPool(N, keep=8)
+    o = FragmentOwner(0, N, 0, int4, OuterOptimizer(0.7, 0.9), OwnerSettings(quorum=2), term=3,
+                      learners={"a", "b"}, pool=pool)
+    label = GENESIS
+    for value in (1.0, 2.0, 3.0):
+        o.offer(delta("a", value, base=label, codec=int4), label)
+        o.offer(delta("b", value / 2, base=label, codec=int4), label)
+        pub = o.step(o.take_round(), label)
+        assert pool.lent() == 3 - (label == GENESIS)  # the step's momentum and update, and the committed momentum
+        o.commit(pub)
+        pool.give(pub.update)  # (the shard's, once the version is in the store)
+        label = pub.new
+        assert pool.lent() == 1 and pool.lends(o.momentum), "an owner between rounds holds its momentum only"
+        assert [k for k, v in vars(o).items() if isinstance(v, torch.Tensor)] == ["momentum"]
+    committed = o.momentum.clone()
+    o.offer(delta("a", 4.0, base=label, codec=int4), label)
+    o.offer(delta("b", 2.0, base=label, codec=int4), label)
+    batch = o.take_round()
+    pub = o.step(batch, label)
+    o.abandon(pub, batch, requeue=True)
+    pool.give(pub.update)
+    assert pool.lent() == 1 and torch.equal(o.momentum, committed)
