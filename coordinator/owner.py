@@ -251,7 +251,7 @@ class FragmentOwner:
         self.published += 1
         self.stepped = pub.new
         self.norms.extend(pub.norms)
-        if old is not None and old is not pub.momentum and self.pool.lends(old):
+        if old is not None and self.pool.lends(old):
             self.pool.give(old)  # (a step's buffer, read by nothing once replaced: hand-overs copy or pop first)
 
     def adopt_momentum(self, momentum: Tensor, label: Version) -> bool:
@@ -267,8 +267,8 @@ class FragmentOwner:
         deltas go back into the next round (unless the same learner has sent a newer one since); otherwise
         they are dropped and counted. Either way no version names them, so their learners keep that progress
         in θ and send it again with their next delta. Returns how many were dropped."""
-        if pub is not None and pub.momentum is not None and pub.momentum is not self.momentum:
-            self.pool.give(pub.momentum)  # (the step's own buffer: never committed)
+        if pub is not None:
+            self.pool.give(pub.momentum)  # (the step's own buffer, or None: never committed)
         dropped = 0
         for d in batch:
             if not requeue or d.learner in self.pending:
