@@ -5,8 +5,10 @@ and the limits key on the source address.
 """
 
 import asyncio
+import contextlib
 import hashlib
 import logging
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -105,6 +107,18 @@ async def open_raw(srv: PeerServer, source: str) -> tuple[asyncio.StreamReader, 
     return await asyncio.open_connection("127.0.0.1", srv.port, local_addr=(source, 0))
 
 
+@contextlib.asynccontextmanager
+async def raw_connections(srv: PeerServer) -> AsyncIterator[list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]:
+    """The raw connections a test opens to `srv` (append them): all closed, and `srv` stopped, at the end."""
+    conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        yield conns
+    finally:
+        for _, w in conns:
+            w.close()
+        await srv.stop()
+
+
 async def is_closed(reader: asyncio.StreamReader, within_s: float = 0.5) -> bool:
     try:
         return await asyncio.wait_for(reader.read(1), within_s) == b""
@@ -116,9 +130,8 @@ async def is_closed(reader: asyncio.StreamReader, within_s: float = 0.5) -> bool
 
 async def test_connections_over_the_cap_are_closed_before_aiohttp_sees_them():
     srv = await start_server(Limits(conns_per_addr=3))
-    conns = []
-    try:
-        conns = [await open_raw(srv, STRANGER) for _ in range(5)]
+    async with raw_connections(srv) as conns:
+        conns += [await open_raw(srv, STRANGER) for _ in range(5)]
         closed = [await is_closed(r, 0.3) for r, _ in conns]
         assert closed == [False, False, False, True, True]
         assert len(srv._runner.server.connections) == 0  # aiohttp made no handler: none has sent a byte yet
@@ -127,17 +140,12 @@ async def test_connections_over_the_cap_are_closed_before_aiohttp_sees_them():
         w.write(b"GET /v1/ping HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await r.readline()).startswith(b"HTTP/1.1 200")
         assert len(srv._runner.server.connections) == 1
-    finally:
-        for _, w in conns:
-            w.close()
-        await srv.stop()
 
 
 async def test_new_connections_over_the_rate_are_closed_at_their_first_byte():
     srv = await start_server(Limits(conn_rate_per_s=0.001, conn_burst=3))
-    conns = []
-    try:
-        conns = [await open_raw(srv, STRANGER) for _ in range(5)]
+    async with raw_connections(srv) as conns:
+        conns += [await open_raw(srv, STRANGER) for _ in range(5)]
         assert not any([await is_closed(r, 0.1) for r, _ in conns])  # (held idle: they cost nothing)
         for _, w in conns:
             w.write(b"GET /v1/ping HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -146,17 +154,12 @@ async def test_new_connections_over_the_rate_are_closed_at_their_first_byte():
         assert len(srv._runner.server.connections) == 3
         async with session("127.0.0.1") as s:
             assert await get(s, srv) == 200  # (another address: its own bucket)
-    finally:
-        for _, w in conns:
-            w.close()
-        await srv.stop()
 
 
 async def test_once_its_connection_bucket_is_empty_an_address_is_closed_at_accept():
     """Closed in `accept()` (protocol/listen.py): no transport, no gate, no handler is built for it."""
     srv = await start_server(Limits(conn_rate_per_s=0.001, conn_burst=2))
-    conns = []
-    try:
+    async with raw_connections(srv) as conns:
         for _ in range(2):  # two connections that sent their first bytes: the address's bucket is empty
             r, w = await open_raw(srv, STRANGER)
             conns.append((r, w))
@@ -170,32 +173,22 @@ async def test_once_its_connection_bucket_is_empty_an_address_is_closed_at_accep
         assert srv.limiter.connections(STRANGER) == 2  # (the gate never saw the third)
         async with session("127.0.0.1") as s:
             assert await get(s, srv) == 200  # (another address: its own bucket)
-    finally:
-        for _, w in conns:
-            w.close()
-        await srv.stop()
 
 
 async def test_at_the_total_cap_a_new_address_evicts_the_heaviest_one():
     srv = await start_server(Limits(conns_per_addr=10, conns_total=4))
-    conns = []
-    try:
-        conns = [await open_raw(srv, STRANGER) for _ in range(4)]
+    async with raw_connections(srv) as conns:
+        conns += [await open_raw(srv, STRANGER) for _ in range(4)]
         assert not any([await is_closed(r, 0.2) for r, _ in conns])
         async with session("127.0.0.1") as s:
             assert await get(s, srv) == 200  # an honest newcomer gets in while a stranger holds the whole cap
         assert await is_closed(conns[0][0])  # the stranger's oldest connection made room
         assert srv.limiter.stats["evicted_connections"] == 1
-    finally:
-        for _, w in conns:
-            w.close()
-        await srv.stop()
 
 
 async def test_bodies_in_flight_are_capped_per_address():
     srv = await start_server(Limits(inflight_per_addr=2))
-    conns = []
-    try:
+    async with raw_connections(srv) as conns:
         body = seal(ME, "test.limits", RUN, {}, b"x" * 100).to_bytes()
         head = f"POST /v1/echo HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
         for _ in range(2):  # two slow-loris bodies: a few bytes, then nothing
@@ -209,10 +202,6 @@ async def test_bodies_in_flight_are_capped_per_address():
         async with session("127.0.0.1") as s:
             assert await post(s, srv) == 200
         assert srv.verifier.calls == 1  # only the honest one: the slow two are still in their prefix
-    finally:
-        for _, w in conns:
-            w.close()
-        await srv.stop()
 
 
 async def test_a_connection_that_sends_nothing_is_closed_after_the_idle_timeout():
@@ -296,9 +285,8 @@ async def test_with_tls_the_gate_admits_first_and_an_idle_connection_holds_no_tl
 
     srv.add_route("GET", "/v1/ping", ping)
     await srv.start()
-    idle = []
-    try:
-        idle = [await open_raw(srv, STRANGER) for _ in range(2)]  # admitted; they send nothing
+    async with raw_connections(srv) as idle:
+        idle += [await open_raw(srv, STRANGER) for _ in range(2)]  # admitted; they send nothing
         await asyncio.sleep(0.2)
         assert not [o for o in gc.get_objects() if type(o) is sslproto.SSLProtocol]  # (asyncio's: 256 KiB each)
         with pytest.raises((ConnectionError, ssl.SSLError, asyncio.IncompleteReadError)):
@@ -307,10 +295,6 @@ async def test_with_tls_the_gate_admits_first_and_an_idle_connection_holds_no_tl
         async with aiohttp.ClientSession() as s, s.get(f"https://127.0.0.1:{srv.port}/v1/ping",
                                                        ssl=client_context()) as r:
             assert r.status == 200 and await r.text() == "pong"
-    finally:
-        for _, w in idle:
-            w.close()
-        await srv.stop()
 
 
 async def test_tls_handshakes_under_way_are_capped_per_address():
@@ -318,15 +302,10 @@ async def test_tls_handshakes_under_way_are_capped_per_address():
 
     srv = PeerServer(limits=Limits(handshakes_per_addr=1), ssl_context=server_context(ME))
     await srv.start()
-    conns = []
-    try:
-        conns = [await open_raw(srv, STRANGER) for _ in range(2)]
+    async with raw_connections(srv) as conns:
+        conns += [await open_raw(srv, STRANGER) for _ in range(2)]
         for _, w in conns:
             w.write(b"\x16\x03\x01")  # the first bytes of a ClientHello, and no more: a handshake left hanging
             await asyncio.sleep(0.1)
         assert [await is_closed(r, 0.5) for r, _ in conns] == [False, True]
         assert srv.limiter.stats["refused_connections"] == 1
-    finally:
-        for _, w in conns:
-            w.close()
-        await srv.stop()
