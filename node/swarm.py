@@ -415,9 +415,7 @@ class Swarm:
                     break
                 await asyncio.sleep(0.25)
         log.info("join: DHT bootstrapped in %.3fs", time.perf_counter() - t0)
-        # (the DHT's self-lookup fills our routing table while we ask and read: none of them needs the other)
-        reachable, _, _ = await asyncio.gather(self._reachable(), self.members.poll(),
-                                               self.dht.find_node(self.identity.node_id))
+        reachable, _ = await asyncio.gather(self._reachable(), self.members.poll())
         if not reachable:
             raise JoinError(f"other peers cannot reach {self.url}; pass --announce with a reachable address, "
                             "or --client-mode to train without accepting connections")
@@ -425,15 +423,18 @@ class Swarm:
         if self.shard is not None:
             self.shard.enabled = True
             self.shard.reassign()
-        publishing = asyncio.ensure_future(self.members.publish())  # (owners push updates to us once they see
-        try:  # us, `synced` false), while the fragments download
+        # while the fragments download: our record goes out (owners push updates to us once they see us,
+        # `synced` false), and the DHT's self-lookup fills our routing table (nothing the download needs)
+        background = [asyncio.ensure_future(self.members.publish()),
+                      asyncio.ensure_future(self.dht.find_node(self.identity.node_id))]
+        try:
             await self._sync_fragments(t0)
         except BaseException:
-            publishing.cancel()
-            with contextlib.suppress(BaseException):
-                await publishing
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             raise
-        await publishing
+        await asyncio.gather(*background)
 
     async def _sync_fragments(self, t0: float) -> None:
         deadline = time.monotonic() + self.config.join_timeout_s
