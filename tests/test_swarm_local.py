@@ -759,9 +759,18 @@ def test_a_draining_owner_passes_the_deltas_it_took_after_its_last_early_step_on
     sender_id = sender.learner.swarm.identity.peer_id
     shard = owner.learner.swarm.shard
     sender.train(10)
-    wait_until(lambda: any(sender_id in o.pending for o in list(shard.owners.values())), 20,
-               "the sender's delta pending at the owner")
-    held = sorted(p for p, o in list(shard.owners.items()) if sender_id in o.pending)
+    def pending() -> list[int]:
+        return sorted(p for p, o in list(shard.owners.items()) if sender_id in o.pending)
+
+    wait_until(lambda: pending(), 20, "the sender's delta pending at the owner")
+    # (the sender's other due fragments may still be on their way: the set is taken once every send is done
+    # and it stayed the same for a second)
+    held, settled_at, deadline = pending(), time.monotonic(), time.monotonic() + 20
+    while sender.learner.swarm._sends or time.monotonic() - settled_at < 1.0:
+        assert time.monotonic() < deadline, f"the sender's deltas did not settle: {held}"
+        time.sleep(0.1)
+        if pending() != held:
+            held, settled_at = pending(), time.monotonic()
     report = owner.learner.swarm.drain(time.monotonic() + 15)
     assert report.passed_on == len(held) and report.dropped_deltas == 0, report
     assert shard.stats["deltas_dropped_on_handoff"] == 0
