@@ -102,8 +102,9 @@ class FragmentSync:
         # Set by the shard: a peer fetching fragment p holds a version above ours (`_told_held`)
         self.on_held_above: Callable[[int, Version], None] | None = None
         self.journal: VersionJournal | None = None  # set by the learner when it keeps checkpoints
-        # a joiner's Θ^(0) of fragment p, from its model (set by the learner while it joins): `_from_genesis`
-        self.genesis: Callable[[int], torch.Tensor] | None = None
+        # writes a joiner's Θ^(0) of fragment p, from its model, into a flat fp32 buffer (set by the learner
+        # while it joins): `_from_genesis`
+        self.genesis: Callable[[int, torch.Tensor], object] | None = None
         # the checks of an owner's work this learner can make (coordinator/audit.py)
         self.guard = UpdateGuard(membership.peer_id, lambda peer: self.distrust.distrusted(peer), self.stats)
         self.distrust = Distrust(self)
@@ -344,7 +345,14 @@ class FragmentSync:
             return False
         if not frames:
             return True
-        if not self.store.fill(p, self.genesis(p)):
+        into = self.store.begin_download(p)  # (p's own anchor, which nothing reads while p is unset)
+        if into is None:
+            return False
+        try:  # (in a worker thread: the fragments of a join are built on every core, the loop keeps receiving)
+            await asyncio.to_thread(self.genesis, p, into)
+        finally:
+            self.store.end_download(p)
+        if not self.store.fill(p, into):
             return False
         try:
             await self._apply_frames(frames)

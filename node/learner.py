@@ -236,8 +236,8 @@ class Learner:
         if unset:
             self.swarm.after_sync = self._fill_unset
             # (a fragment whose owner keeps every update since 0.0 is built from our Θ^(0) and those: the model
-            # is read on the loop only while `start` waits for the join, before any step)
-            self.swarm.genesis = lambda p: self.plan.flatten(p, self.params)
+            # is read by the swarm's threads only while `start` waits for the join, before any step)
+            self.swarm.genesis = lambda p, out: self.plan.flatten(p, self.params, out=out)
         self.swarm.start()
         self._apply_new_versions()
         self.swarm.offer_ownership()

@@ -134,7 +134,7 @@ class Swarm:
                                          config.member_ttl_s)  # history and alerts (node/observe.py)
         self.after_sync: Callable[[], None] | None = None  # run once synced, before other peers count on us;
         # raising a JoinError there ends the join with that error
-        self.genesis: Callable[[int], torch.Tensor] | None = None  # a joiner's Θ^(0) of p (`FragmentSync.genesis`)
+        self.genesis: Callable[[int, torch.Tensor], object] | None = None  # a joiner's Θ^(0) (`FragmentSync.genesis`)
         self.codec = get_codec(spec.codec)
         self.client_mode = bool(config.client_mode)
         self.url = ""
