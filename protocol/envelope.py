@@ -70,6 +70,8 @@ class Envelope:
     payload: bytes | bytearray | memoryview
     header: bytes = field(repr=False)
     signature: bytes = field(repr=False)
+    # the whole frame as received, when it arrived in one read-only buffer: `frame()` hands it out uncopied
+    received: memoryview | None = field(default=None, repr=False, compare=False)
 
     @property
     def sender_id(self) -> str:
@@ -83,8 +85,10 @@ class Envelope:
         return self.prefix() + bytes(self.payload)
 
     def frame(self) -> memoryview:
-        """The whole frame, as `to_bytes`, joined without holding the GIL (`join_bytes`): for frames of
-        fragment size, which are kept and served."""
+        """The whole frame, as `to_bytes`: the received buffer itself, else joined without holding the GIL
+        (`join_bytes`): for frames of fragment size, which are kept and served."""
+        if self.received is not None:
+            return self.received
         return join_bytes(self.prefix(), self.payload)
 
     def frame_size(self) -> int:
@@ -293,7 +297,8 @@ class EnvelopeVerifier:
         except ProtocolError:
             self.release(h)
             raise
-        return _envelope(h, bytes(header), bytes(signature), rest)
+        # (a buffer the caller may still write to is copied by `frame()`, as before)
+        return _envelope(h, bytes(header), bytes(signature), rest, received=mv if mv.readonly else None)
 
     async def read(
         self, chunks: AsyncIterator[bytes], *, content_length: int | None = None, fresh: bool = True,
@@ -321,8 +326,11 @@ class EnvelopeVerifier:
                 raise Malformed("Content-Length does not match the envelope's payload_len")
             # np.empty, not bytearray(n): that zero-fills megabytes (and faults their pages in) holding the GIL,
             # the largest GIL hold of a learner's loop in the step-latency benchmark; numpy copies into it
-            # without the GIL
-            view = np.empty(n, np.uint8)
+            # without the GIL. The prefix goes first, so that the frame is one buffer (`Envelope.frame`).
+            prefix = _PREFIX.pack(hlen) + header + signature
+            whole = np.empty(len(prefix) + n, np.uint8)
+            whole[: len(prefix)] = np.frombuffer(prefix, np.uint8)
+            view = whole[len(prefix) :]
             payload = memoryview(view)
             digest = hashlib.sha256()
             pos = 0
@@ -339,7 +347,7 @@ class EnvelopeVerifier:
         except BaseException:
             self.release(h)
             raise
-        return _envelope(h, header, signature, payload)
+        return _envelope(h, header, signature, payload, received=memoryview(whole).toreadonly())
 
 
 def join_bytes(*parts: bytes | bytearray | memoryview) -> memoryview:
@@ -355,7 +363,8 @@ def join_bytes(*parts: bytes | bytearray | memoryview) -> memoryview:
     return memoryview(out).toreadonly()
 
 
-def _envelope(h: dict[str, Any], header: bytes, signature: bytes, payload: Any) -> Envelope:
+def _envelope(h: dict[str, Any], header: bytes, signature: bytes, payload: Any,
+              received: memoryview | None = None) -> Envelope:
     return Envelope(
         kind=h["kind"],
         run_id=h["run_id"],
@@ -366,6 +375,7 @@ def _envelope(h: dict[str, Any], header: bytes, signature: bytes, payload: Any) 
         payload=payload,
         header=header,
         signature=signature,
+        received=received,
     )
 
 

@@ -3,6 +3,7 @@ import hashlib
 import struct
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -60,6 +61,21 @@ def test_streamed_envelope_verifies_at_any_chunk_size(chunk):
     data = frame(b"p" * 900)
     env = read(EnvelopeVerifier(RUN), data, chunk, content_length=len(data))
     assert bytes(env.payload) == b"p" * 900
+
+
+def test_a_received_frame_is_handed_on_as_received_and_a_writable_one_is_copied():
+    # (a kept update's frame is its received buffer: no second fragment-sized buffer per update)
+    data = frame(b"q" * 900)
+    streamed = read(EnvelopeVerifier(RUN), data, 64, content_length=len(data))
+    assert bytes(streamed.frame()) == data and streamed.frame() is streamed.frame()
+    assert np.shares_memory(np.frombuffer(streamed.frame(), np.uint8), np.frombuffer(streamed.payload, np.uint8))
+    opened = EnvelopeVerifier(RUN).open(data)
+    assert np.shares_memory(np.frombuffer(opened.frame(), np.uint8), np.frombuffer(data, np.uint8))
+    writable = bytearray(data)
+    kept = EnvelopeVerifier(RUN).open(writable).frame()
+    writable[-1] ^= 1
+    assert bytes(kept) == data
+    assert bytes(seal(SENDER, "test.small", RUN, {}, b"r" * 10).frame())[-10:] == b"r" * 10
 
 
 def test_relayed_envelope_is_byte_identical():
