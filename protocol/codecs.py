@@ -295,7 +295,9 @@ class _FlatCodec(Codec):
         """Every check `decode` makes before decoding the values (meta, exact length, scales, int8 codes);
         returns numel.
         Cheap: for a receiver that keeps the bytes and decodes them later."""
-        return self._checked(meta, data, max_elements)[1]
+        _, numel, block, view = self._checked(meta, data, max_elements)
+        self._check_codes(view, numel, block)
+        return numel
 
     def _checked(self, meta: dict[str, Any], data: Payload, max_elements: int):
         shape, numel = check_meta(meta, self.name, max_elements)
@@ -315,6 +317,9 @@ class _FlatCodec(Codec):
 
     @abstractmethod
     def _payload_len(self, numel: int, block: int) -> int: ...
+
+    def _check_codes(self, view: memoryview, numel: int, block: int) -> None:
+        """Raise `Malformed` for codes a CPU decode refuses as it decodes (so `decode` skips this pass)."""
 
     def _check_payload(self, view: memoryview, numel: int, block: int) -> None:
         """Raise `Malformed` for payload fields that are checkable before decoding (scales, padding)."""
@@ -433,6 +438,7 @@ class Int8Codec(_FlatCodec):
         if out is None or out.device.type == "cpu":
             return super().decode(meta, data, max_elements=max_elements, out=out)
         shape, numel, block, view = self._checked(meta, data, max_elements)
+        self._check_codes(view, numel, block)  # (the device kernel does not refuse them)
         if out.dtype != torch.float32 or not out.is_contiguous() or out.requires_grad or out.numel() != numel:
             raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements, no grad")
         host = torch.empty(len(view), dtype=torch.uint8, pin_memory=out.device.type == "cuda")
@@ -448,8 +454,11 @@ class Int8Codec(_FlatCodec):
         scales = _array(view, np.uint32, 0, nblocks)
         if scales.size and int(scales.max()) > _INT8_MAX_SCALE_BITS:
             raise Malformed("int8 scales must be finite, non-negative and at most float32_max/127")
-        # (here too, not only in decode: an owner keeps a checked delta and decodes it at the outer step,
+
+    def _check_codes(self, view: memoryview, numel: int, block: int) -> None:
+        # (in `check` too, not only in decode: an owner keeps a checked delta and decodes it at the outer step,
         # where one refused code would fail the whole round)
+        nblocks = -(-numel // block)
         if numel and int(np.frombuffer(view, np.int8, count=numel, offset=4 * nblocks).min()) < -127:
             raise Malformed("int8 code -128 is not allowed (codes are in [-127, 127])")
 
