@@ -79,7 +79,7 @@ class Envelope:
 
     def prefix(self) -> bytes:
         """Everything before the payload; send `prefix()` then `payload` to relay the message unchanged."""
-        return _PREFIX.pack(len(self.header)) + self.header + self.signature
+        return _prefix(self.header, self.signature)
 
     def to_bytes(self) -> bytes:
         return self.prefix() + bytes(self.payload)
@@ -327,7 +327,7 @@ class EnvelopeVerifier:
             # np.empty, not bytearray(n): that zero-fills megabytes (and faults their pages in) holding the GIL,
             # the largest GIL hold of a learner's loop in the step-latency benchmark; numpy copies into it
             # without the GIL. The prefix goes first, so that the frame is one buffer (`Envelope.frame`).
-            prefix = _PREFIX.pack(hlen) + header + signature
+            prefix = _prefix(header, signature)
             whole = np.empty(len(prefix) + n, np.uint8)
             whole[: len(prefix)] = np.frombuffer(prefix, np.uint8)
             view = whole[len(prefix) :]
@@ -361,6 +361,11 @@ def join_bytes(*parts: bytes | bytearray | memoryview) -> memoryview:
         out[pos : pos + v.nbytes] = np.frombuffer(v, np.uint8)
         pos += v.nbytes
     return memoryview(out).toreadonly()
+
+
+def _prefix(header: bytes, signature: bytes) -> bytes:
+    """`u32 header_len | header | signature`: a frame without its payload."""
+    return _PREFIX.pack(len(header)) + header + signature
 
 
 def _envelope(h: dict[str, Any], header: bytes, signature: bytes, payload: Any,
