@@ -7,9 +7,10 @@
   require_trigger=True)``; once all peers are in stage AWAITING_TRIGGER (group formed; matchmaking is not
   timed, only logged) they are released together and each times ``allow_allreduce()`` until
   ``step.result()`` returns: the all-reduce alone (compress, exchange, reduce, decompress, in-place
-  update). Number = median over ``repeats`` rounds of the max over peers. A round whose gathered dict lacks
-  a peer is rerun. Round 1 is cold (new streams, first touch of buffers), ~3x slower, and stays in the
-  pool. Peer 0 logs its relative RMS error against the exact fp32 mean after round 1.
+  update). Number = median over ``repeats`` rounds of the max over peers, after a warm-up round that is not
+  counted (the first is cold: new streams, first touch of buffers, ~3x slower). A round whose gathered dict
+  lacks a peer is rerun. Peer 0 logs its relative RMS error against the exact fp32 mean after its first round.
+  The swarm benchmark interleaves these rounds with its own (``alongside``).
 * ``hivemind_load_state_s``: ``peers`` averagers with ``allow_state_sharing=True`` hold the same 8 tensors
   (``numel`` float32, identical seed); a fifth peer (its DHT joined, its averager started, all ``peers``
   state declarations visible in its DHT) times ``load_state_from_peers()`` from call to return, then checks
@@ -41,6 +42,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 
 import psutil
 
@@ -230,28 +232,39 @@ def _with_peers(roles: list[str], numel: int, peers: int, body):
         return body(conns)
 
 
-def hivemind_allreduce_s(numel: int = 25_000_000, peers: int = 4, repeats: int = 3) -> float:
-    """Median over rounds of the slowest peer's all-reduce time, matchmaking excluded (see module docstring)."""
+def hivemind_allreduce_s(numel: int = 25_000_000, peers: int = 4, repeats: int = 3,
+                         alongside: Callable[[], object] | None = None) -> float:
+    """Median over `repeats` rounds of the slowest peer's all-reduce time, matchmaking excluded, after one
+    warm-up round that is not counted (see module docstring). `alongside`: one round of another measurement,
+    run `repeats` times interleaved with these in the order A B, B A, A B, ... (A = `alongside`, B = a
+    hivemind round), so that both sides of a comparison see the same drift of a shared machine."""
 
     def body(conns):
-        times, attempts = [], 0
-        while len(times) < repeats:
-            attempts += 1
-            if attempts > repeats + 3:
-                raise RuntimeError(f"only {len(times)} of {repeats} rounds formed a group of {peers}")
-            for c in conns:
-                c.send(("step",))
-            mm = [m[1] for m in _expect(conns, "grouped", 90)]
-            for c in conns:
-                c.send(("go",))
-            done = _expect(conns, "done", 300)
-            sizes, err = [d[2] for d in done], [f"{d[3]:.4f}" for d in done if d[3] is not None]
-            log(
-                f"hivemind: round {attempts}: matchmaking {max(mm):.2f}s, all-reduce per peer "
-                f"{[round(d[1], 2) for d in done]}s, group sizes {sizes}, rel. RMS error vs exact mean {err}"
-            )
-            if all(s == peers for s in sizes):
-                times.append(max(d[1] for d in done))
+        def one(label: str) -> float:
+            for attempt in range(1, 5):
+                for c in conns:
+                    c.send(("step",))
+                mm = [m[1] for m in _expect(conns, "grouped", 90)]
+                for c in conns:
+                    c.send(("go",))
+                done = _expect(conns, "done", 300)
+                sizes, err = [d[2] for d in done], [f"{d[3]:.4f}" for d in done if d[3] is not None]
+                log(
+                    f"hivemind: round {label} (attempt {attempt}): matchmaking {max(mm):.2f}s, all-reduce per "
+                    f"peer {[round(d[1], 2) for d in done]}s, group sizes {sizes}, rel. RMS error vs exact mean {err}"
+                )
+                if all(s == peers for s in sizes):
+                    return max(d[1] for d in done)
+            raise RuntimeError(f"round {label} formed no group of {peers} in 4 attempts")
+
+        one("warm-up")
+        times = []
+        for i in range(repeats):
+            if alongside is not None and i % 2 == 0:
+                alongside()
+            times.append(one(str(i + 1)))
+            if alongside is not None and i % 2 == 1:
+                alongside()
         return statistics.median(times)
 
     return _with_peers(["avg"] * peers, numel, peers, body)

@@ -6,16 +6,19 @@ What each key measures (all on loopback, one torch thread per process):
   round_s                 4 learner processes hold a 25M-float32 stand-in in 8 fragments (int8 codec, quorum 4);
                           each perturbs its parameters as training would, then all are released together and hand
                           every fragment's delta to their swarms at once; from the last learner's hand-over to the
-                          last learner holding every new version (median over rounds)
-  hivemind_allreduce_s    hivemind's DecentralizedAverager, same tensors, 4 processes, 8-bit codec
+                          last learner holding every new version (median over rounds, after one warm-up round)
+  hivemind_allreduce_s    hivemind's DecentralizedAverager, same tensors, 4 processes, 8-bit codec; its rounds
+                          and ours alternate (ours, theirs, theirs, ours, ...: both swarms stay up meanwhile)
   join_s                  a fifth learner: Learner.start() + its first step(), i.e. first contact with a peer to
                           its first inner step with the whole state synced (imports, model and Learner
                           construction excluded); median of 3 joiners, each a fresh process, one after the other
   hivemind_load_state_s   a fifth hivemind peer's load_state_from_peers() of the same tensors; median of 3 loads
                           by that peer (only the first of them fresh)
-  raw_transfer_s          the same 100 MB over one plain loopback TCP socket between two processes
+  raw_transfer_s          the same 100 MB over one plain loopback TCP socket between two processes; transfers
+                          alternate with the joins (raw, join, join, raw, ...)
   overhead_ratio          tiny-GPT inner steps/s of 2 learners in a 2-learner swarm (default RunSpec) ÷ the
-                          same loop without the swarm, 2 processes side by side
+                          same loop without the swarm, 2 processes side by side; in the order standalone, swarm,
+                          swarm, standalone, means of each side
   bytes_per_step          bytes sent + received per inner step per learner, from the learners' own counters, in
                           a 4-learner tiny-GPT swarm at the default RunSpec and default membership timings
   ddp_bytes_per_step      what a fp32 ring all-reduce moves per step per worker: 2·2(M−1)/M·4·params
@@ -120,7 +123,10 @@ def _round_events(workers: list[Worker], command: str) -> list[dict]:
     return evs
 
 
-def stand_in_part(tmp: Path, rounds: int) -> dict:
+def stand_in_part(tmp: Path, rounds: int, hm) -> dict:
+    """The 25M stand-in's rounds and joins, each interleaved with its reference (`hm`, benchmarks/_hivemind_swarm.py):
+    our rounds with hivemind's all-reduce rounds, our joins with raw socket transfers, in the order A B, B A, ...,
+    so that a shared machine's drift over the run falls on both sides alike."""
     from _swarm_worker import NUMEL
 
     spec = tmp / "standin.spec"
@@ -145,19 +151,30 @@ def stand_in_part(tmp: Path, rounds: int) -> dict:
         rss = [e["maxrss"] for e in staggered[-1]]
         growth = statistics.median(b["rss"] - a["rss"] for a, b in zip(staggered[1], staggered[-1], strict=True))
         log(f"staggered rounds: peak RSS {[r / 2**20 for r in rss]} MiB, growth {growth / 2**20:.1f} MiB")
-        times = []
-        for r in range(rounds):
+        times: list[float] = []
+
+        def our_round() -> None:
             evs = _round_events(workers, "go")
             times.append(max(e["have"] for e in evs) - max(e["sent"] for e in evs))
-            log(f"round {r}: {times[-1]:.3f}s, CPU seconds per learner {[round(e['cpu_s'], 2) for e in evs]}")
-        joins = []
-        for _ in range(JOINERS):  # one after the other, each a fresh process
+            log(f"round {len(times) - 1}: {times[-1]:.3f}s, CPU seconds per learner {[round(e['cpu_s'], 2) for e in evs]}")
+
+        our_round()  # warm-up (the first all-at-once round), not counted, as hivemind's first is not
+        times.clear()
+        hivemind = hm.hivemind_allreduce_s(NUMEL, 4, repeats=rounds, alongside=our_round)
+        joins: list[float] = []
+        raws: list[float] = []
+        for i in range(JOINERS):  # one after the other, each a fresh process
+            if i % 2 == 0:
+                raws.append(hm.raw_transfer_s(100_000_000, repeats=3))
             joiner = Worker([worker, "joiner", str(spec), url])
             join = joiner.event()
             joiner.proc.wait(60)
             joins.append(join["join_s"])
             log(f"join: {join['join_s']:.3f}s, versions {join['versions']}")
-        return {"round_s": statistics.median(times), "join_s": statistics.median(joins),
+            if i % 2 == 1:
+                raws.append(hm.raw_transfer_s(100_000_000, repeats=3))
+        return {"round_s": statistics.median(times), "hivemind_allreduce_s": hivemind,
+                "join_s": statistics.median(joins), "raw_transfer_s": statistics.median(raws),
                 "extra_rss_bytes_per_param": (statistics.median(rss) - standalone_rss) / NUMEL,
                 "rss_growth_bytes_per_param": growth / NUMEL}
     finally:
@@ -213,13 +230,22 @@ def tiny_part(tmp: Path, steps: int, bytes_steps: int, bandwidth_only: bool = Fa
 
     out: dict = {}
     if not bandwidth_only:
-        alone = [Worker([str(HERE / "_swarm_worker.py"), "tiny", str(steps)]) for _ in range(2)]
-        standalone = statistics.mean(w.event()["steps_per_s"] for w in alone)
-        for w in alone:
-            w.stop()
-        in_swarm = statistics.mean(speed(evs) for evs in swarm(2, steps, fast=True))
-        log(f"tiny GPT steps/s: standalone {standalone:.2f}, in a 2-learner swarm {in_swarm:.2f}")
-        out["overhead_ratio"] = in_swarm / standalone
+        def standalone() -> float:
+            alone = [Worker([str(HERE / "_swarm_worker.py"), "tiny", str(steps)]) for _ in range(2)]
+            try:
+                return statistics.mean(w.event()["steps_per_s"] for w in alone)
+            finally:
+                for w in alone:
+                    w.stop()
+
+        # standalone, swarm, swarm, standalone: a machine that speeds up or slows down over the run moves both
+        # sides alike
+        speeds = {"standalone": [standalone()], "swarm": []}
+        for _ in range(2):
+            speeds["swarm"].append(statistics.mean(speed(evs) for evs in swarm(2, steps, fast=True)))
+        speeds["standalone"].append(standalone())
+        log(f"tiny GPT steps/s: standalone {speeds['standalone']}, in a 2-learner swarm {speeds['swarm']}")
+        out["overhead_ratio"] = statistics.mean(speeds["swarm"]) / statistics.mean(speeds["standalone"])
     params = make_task("markov").build_model().num_params()
     ddp = 2 * 2 * (4 - 1) / 4 * 4 * params
     per_step, sparse = bytes_per_step(spec, "int8"), bytes_per_step(sparse_spec, "sparse")
@@ -255,11 +281,9 @@ def main() -> None:
 
     result: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        result.update(stand_in_part(Path(tmp), rounds=2 if args.quick else 4))
+        result.update(stand_in_part(Path(tmp), rounds=3 if args.quick else 5, hm=hm))
         result.update(tiny_part(Path(tmp), steps=300 if args.quick else 600, bytes_steps=300 if args.quick else 800,
                                     sparse_fields=sparse_fields))
-    result["raw_transfer_s"] = hm.raw_transfer_s(100_000_000, repeats=3)
-    result["hivemind_allreduce_s"] = hm.hivemind_allreduce_s(25_000_000, 4, repeats=2 if args.quick else 3)
     result["hivemind_load_state_s"] = hm.hivemind_load_state_s(25_000_000, 4, repeats=JOINERS)
     r = result
     log(f"round_s {r['round_s']:.3f} vs hivemind all-reduce {r['hivemind_allreduce_s']:.3f} "
