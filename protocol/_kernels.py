@@ -5,8 +5,9 @@ validated (`codecs.py` checks every length before it calls in). Kernels are sing
 `parallel=True`) and release the GIL. They must never allocate in proportion to their input, read
 outside the arrays they are given, or trust a length they did not receive from the caller.
 
-No fast-math: the arithmetic is strict IEEE (so an encoding does not depend on the CPU), and the loops
-still vectorise because their reductions are over integers. Non-finite detection uses the bit pattern:
+No fast-math in the codecs: their arithmetic is strict IEEE (so an encoding does not depend on the CPU), and
+the loops still vectorise because their reductions are over integers. The one exception is `sum_squares`, a
+norm, whose float reduction vectorises only when LLVM may reassociate it (its docstring says why that is safe). Non-finite detection uses the bit pattern:
 for a float32 `v`, `bits(v) & 0x7FFFFFFF >= 0x7F800000` exactly when `v` is inf or NaN, and an integer
 max reduction vectorises where a float max with NaN does not.
 """
