@@ -232,6 +232,14 @@ def _with_peers(roles: list[str], numel: int, peers: int, body):
         return body(conns)
 
 
+def interleave(a: Callable[[], object], b: Callable[[], object], n: int) -> None:
+    """Run `a` and `b` `n` times each in the order a b, b a, a b, ...: a machine that speeds up or slows down over
+    the run moves both sides of a comparison alike."""
+    for i in range(n):
+        for f in (a, b) if i % 2 == 0 else (b, a):
+            f()
+
+
 def hivemind_allreduce_s(numel: int = 25_000_000, peers: int = 4, repeats: int = 3,
                          alongside: Callable[[], object] | None = None) -> float:
     """Median over `repeats` rounds of the slowest peer's all-reduce time, matchmaking excluded, after one
@@ -258,13 +266,8 @@ def hivemind_allreduce_s(numel: int = 25_000_000, peers: int = 4, repeats: int =
             raise RuntimeError(f"round {label} formed no group of {peers} in 4 attempts")
 
         one("warm-up")
-        times = []
-        for i in range(repeats):
-            if alongside is not None and i % 2 == 0:
-                alongside()
-            times.append(one(str(i + 1)))
-            if alongside is not None and i % 2 == 1:
-                alongside()
+        times: list[float] = []
+        interleave(alongside or (lambda: None), lambda: times.append(one(str(len(times) + 1))), repeats)
         return statistics.median(times)
 
     return _with_peers(["avg"] * peers, numel, peers, body)

@@ -156,24 +156,23 @@ def stand_in_part(tmp: Path, rounds: int, hm) -> dict:
         def our_round() -> None:
             evs = _round_events(workers, "go")
             times.append(max(e["have"] for e in evs) - max(e["sent"] for e in evs))
-            log(f"round {len(times) - 1}: {times[-1]:.3f}s, CPU seconds per learner {[round(e['cpu_s'], 2) for e in evs]}")
+            log(f"round {len(times) - 1}{' (warm-up)' if len(times) == 1 else ''}: {times[-1]:.3f}s, CPU seconds "
+                f"per learner {[round(e['cpu_s'], 2) for e in evs]}")
 
         our_round()  # warm-up (the first all-at-once round), not counted, as hivemind's first is not
-        times.clear()
         hivemind = hm.hivemind_allreduce_s(NUMEL, 4, repeats=rounds, alongside=our_round)
         joins: list[float] = []
         raws: list[float] = []
-        for i in range(JOINERS):  # one after the other, each a fresh process
-            if i % 2 == 0:
-                raws.append(hm.raw_transfer_s(100_000_000, repeats=3))
+
+        def join_once() -> None:  # one after the other, each a fresh process
             joiner = Worker([worker, "joiner", str(spec), url])
             join = joiner.event()
             joiner.proc.wait(60)
             joins.append(join["join_s"])
             log(f"join: {join['join_s']:.3f}s, versions {join['versions']}")
-            if i % 2 == 1:
-                raws.append(hm.raw_transfer_s(100_000_000, repeats=3))
-        return {"round_s": statistics.median(times), "hivemind_allreduce_s": hivemind,
+
+        hm.interleave(lambda: raws.append(hm.raw_transfer_s(100_000_000, repeats=3)), join_once, JOINERS)
+        return {"round_s": statistics.median(times[1:]), "hivemind_allreduce_s": hivemind,
                 "join_s": statistics.median(joins), "raw_transfer_s": statistics.median(raws),
                 "extra_rss_bytes_per_param": (statistics.median(rss) - standalone_rss) / NUMEL,
                 "rss_growth_bytes_per_param": growth / NUMEL}
@@ -184,6 +183,8 @@ def stand_in_part(tmp: Path, rounds: int, hm) -> dict:
 
 def tiny_part(tmp: Path, steps: int, bytes_steps: int, bandwidth_only: bool = False,
               sparse_fields: dict | None = None) -> dict:
+    from _hivemind_swarm import interleave
+
     from diloco.node.tasks import make_task
     from diloco.node.train import new_run
     from diloco.protocol.identity import Identity
@@ -238,12 +239,10 @@ def tiny_part(tmp: Path, steps: int, bytes_steps: int, bandwidth_only: bool = Fa
                 for w in alone:
                     w.stop()
 
-        # standalone, swarm, swarm, standalone: a machine that speeds up or slows down over the run moves both
-        # sides alike
-        speeds = {"standalone": [standalone()], "swarm": []}
-        for _ in range(2):
-            speeds["swarm"].append(statistics.mean(speed(evs) for evs in swarm(2, steps, fast=True)))
-        speeds["standalone"].append(standalone())
+        speeds: dict[str, list[float]] = {"standalone": [], "swarm": []}
+        interleave(  # standalone, swarm, swarm, standalone
+            lambda: speeds["standalone"].append(standalone()),
+            lambda: speeds["swarm"].append(statistics.mean(speed(evs) for evs in swarm(2, steps, fast=True))), 2)
         log(f"tiny GPT steps/s: standalone {speeds['standalone']}, in a 2-learner swarm {speeds['swarm']}")
         out["overhead_ratio"] = statistics.mean(speeds["swarm"]) / statistics.mean(speeds["standalone"])
     params = make_task("markov").build_model().num_params()

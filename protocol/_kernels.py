@@ -7,9 +7,9 @@ outside the arrays they are given, or trust a length they did not receive from t
 
 No fast-math in the codecs: their arithmetic is strict IEEE (so an encoding does not depend on the CPU), and
 the loops still vectorise because their reductions are over integers. The one exception is `sum_squares`, a
-norm, whose float reduction vectorises only when LLVM may reassociate it (its docstring says why that is safe). Non-finite detection uses the bit pattern:
-for a float32 `v`, `bits(v) & 0x7FFFFFFF >= 0x7F800000` exactly when `v` is inf or NaN, and an integer
-max reduction vectorises where a float max with NaN does not.
+norm, whose float reduction vectorises only when LLVM may reassociate it (its docstring says why that is
+safe). Non-finite detection uses the bit pattern: for a float32 `v`, `bits(v) & 0x7FFFFFFF >= 0x7F800000`
+exactly when `v` is inf or NaN, and an integer max reduction vectorises where a float max with NaN does not.
 """
 
 from __future__ import annotations
