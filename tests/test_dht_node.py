@@ -131,6 +131,53 @@ async def test_silent_node_does_not_stall_a_lookup_past_its_deadline(client):
         await stop_all(nodes)
 
 
+async def test_a_bootstrap_peer_slow_to_answer_a_first_contact_is_asked_again_with_patience(client):
+    """A fresh link's deadline (1 s) is a guess; a bootstrap peer on a busy host may need longer the first time."""
+    from aiohttp import web
+
+    from diloco.protocol.dht.node import BootstrapFailed
+
+    first = await DHTNode.start(client=client)
+    calls: list[float] = []
+
+    async def slow_relay(request: web.Request) -> web.Response:  # (the first request waits 1.5 s)
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            await asyncio.sleep(1.5)
+        body = await client.request("POST", first.url, DHT_ROUTE, body=await request.read())
+        return web.Response(body=bytes(body))
+
+    app = web.Application()
+    app.router.add_post(DHT_ROUTE, slow_relay)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    relay = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections, never answers
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    try:
+        late = await DHTNode.start(client=client, bootstrap=[relay])
+        assert len(calls) >= 2 and first.identity.node_id in late.routing
+        await late.stop()
+        t = time.monotonic()
+        with pytest.raises(BootstrapFailed, match="connect|refused|Cannot"):
+            await DHTNode.start(client=client, bootstrap=[f"http://127.0.0.1:{refused.getsockname()[1]}"])
+        assert time.monotonic() - t < 1.0, "a refused connection is not a slow peer: no second try"
+        t = time.monotonic()
+        with pytest.raises(BootstrapFailed, match="5.00s"):
+            await DHTNode.start(client=client, bootstrap=[f"http://127.0.0.1:{silent.getsockname()[1]}"])
+        assert time.monotonic() - t < 8.0
+    finally:
+        silent.close()
+        refused.close()
+        await runner.cleanup()
+        await first.stop()
+
+
 async def test_client_mode_nodes_never_enter_routing_tables(client):
     nodes = await swarm(6, client)
     try:

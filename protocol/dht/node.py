@@ -24,7 +24,7 @@ from .. import canonical
 from ..envelope import Envelope, EnvelopeVerifier, register_kind, seal
 from ..errors import Malformed, ProtocolError
 from ..identity import Identity
-from ..transport import PeerClient, PeerServer, TransportError
+from ..transport import DeadlineExceeded, PeerClient, PeerServer, TransportError
 from .records import NodeInfo, ValueRecord
 from .routing import RoutingTable, key_id
 from .storage import DHTStorage
@@ -36,6 +36,7 @@ DEFAULT_NETWORK_ID = hashlib.sha256(b"diloco-node/dht/v1").digest()
 MAX_REQUEST = 1024 * 1024
 MAX_REPLY = 4 * 1024 * 1024
 MAX_RECORDS_PER_STORE = 64
+BOOTSTRAP_DEADLINE_S = 5.0  # a bootstrap ping that ran out of the link's first estimate is retried with this
 MAX_PINGS = 64  # liveness pings of full buckets' oldest contacts in flight at once
 HAVE_BYTES = 8  # a record named in `have`/`same` by its signature's first bytes (docs/protocol.md §5.5)
 MAX_HAVE = 10_000
@@ -154,16 +155,25 @@ class DHTNode:
     async def bootstrap(self, urls: Iterable[str], *, lookup: bool = True) -> None:
         """Ping the given peers, then look up our own id to fill the routing table. With `lookup` false the
         caller runs that lookup (`find_node(identity.node_id)`) itself, alongside its first requests."""
-        results = await asyncio.gather(*(self.ping(u) for u in urls), return_exceptions=True)
-        if not any(isinstance(r, NodeInfo) for r in results):
-            reasons = "; ".join(str(r) for r in results)
-            raise BootstrapFailed(f"none of the bootstrap peers answered ({reasons})")
+        urls = list(urls)
+        reasons: dict[str, BaseException] = {}
+        for patient in (False, True):
+            results = await asyncio.gather(*(self.ping(u, patient=patient) for u in urls), return_exceptions=True)
+            if any(isinstance(r, NodeInfo) for r in results):
+                break
+            reasons.update(zip(urls, results, strict=True))
+            urls = [u for u, r in zip(urls, results, strict=True) if isinstance(r, DeadlineExceeded)]  # (again, patiently)
+            if patient or not urls:
+                why = "; ".join(map(str, reasons.values()))
+                raise BootstrapFailed(f"none of the bootstrap peers answered ({why})")
         if lookup:
             await self.find_node(self.identity.node_id)
 
-    async def ping(self, url: str) -> NodeInfo:
-        """Ask `url` who it is; a valid answer adds it to the routing table."""
-        reply = await self._rpc(url, "ping", {}, None)
+    async def ping(self, url: str, *, patient: bool = False) -> NodeInfo:
+        """Ask `url` who it is; a valid answer adds it to the routing table. `patient`: wait at least
+        BOOTSTRAP_DEADLINE_S (a bootstrap peer is the only way in, and a first contact on a busy host can take
+        longer than the estimate a link starts with)."""
+        reply = await self._rpc(url, "ping", {}, None, min_deadline_s=BOOTSTRAP_DEADLINE_S if patient else 0.0)
         return reply["node"]
 
     async def find_node(self, target: int) -> list[NodeInfo]:
@@ -320,12 +330,15 @@ class DHTNode:
 
     # -- RPC client side ----------------------------------------------------------------------------------
 
-    async def _rpc(self, url: str, op: str, body: dict[str, Any], expect: int | None) -> dict[str, Any]:
+    async def _rpc(
+        self, url: str, op: str, body: dict[str, Any], expect: int | None, min_deadline_s: float = 0.0
+    ) -> dict[str, Any]:
         payload = canonical.packb({"node": self.info.to_wire(), **body})
         request = seal(self.identity, "dht", self.network_id, {"op": op}, payload)
         try:
             raw = await self.client.send_envelope(
-                url, DHT_ROUTE, request, deadline_s=self.config.rpc_deadline_s, max_response=MAX_REPLY + 70_000
+                url, DHT_ROUTE, request, deadline_s=self.config.rpc_deadline_s, max_response=MAX_REPLY + 70_000,
+                min_deadline_s=min_deadline_s,
             )
             reply = self._replies.open(raw)
             if reply.fields != {"reply_to": request.nonce}:
