@@ -82,7 +82,8 @@ class Accusations:
         self.spawn(self._send(f, owner, prefix, momentum, refused))
 
     async def _send(self, f: UpdateFields, owner: str, prefix: bytes, momentum: Encoded, refused: Envelope) -> None:
-        payload = await asyncio.to_thread(join_bytes, prefix, momentum.payload, refused.prefix(), refused.payload)
+        payload = await asyncio.to_thread(join_bytes, prefix, momentum.payload, refused.prefix(), refused.payload,
+                                          refused.trailer)
         fields = AccuseFields(f.p, f.new, len(prefix), len(momentum.payload)).to_fields()
         env = await asyncio.to_thread(seal, self.identity, ACCUSE, self.spec.run_id, fields, payload)
 
@@ -119,7 +120,8 @@ class Accusations:
             raise Malformed("accuse base and momentum are longer than its payload")
         base = self.evidence.certificate(payload[: a.base_len])
         kept_bytes = payload[a.base_len : a.base_len + a.momentum_len]
-        refused = await asyncio.to_thread(self.evidence.open, payload[a.base_len + a.momentum_len :], fresh=False)
+        refused = await asyncio.to_thread(self.evidence.open, payload[a.base_len + a.momentum_len :], fresh=False,
+                                          trailing=True)  # (its trailer: the update and delta frames)
         if base.sender != refused.sender:
             raise Malformed("accuse evidence is signed by two different peers")
         owner = peer_id_of(refused.sender)
@@ -154,9 +156,9 @@ class Accusations:
             raise Malformed("accuse evidence is not two replications of one fragment in one term")
         if rb.mdigest is None or await asyncio.to_thread(momentum_digest, kept_bytes) != rb.mdigest:
             raise Malformed("accuse momentum is not the one its base replication names")
-        head, moved, frames = split_replicate(rr, memoryview(refused.payload))
-        if (rr.mdigest is not None) != bool(rr.momentum) or (
-                rr.mdigest is not None and await asyncio.to_thread(momentum_digest, moved) != rr.mdigest):
+        head, frames = split_replicate(rr, refused.trailer)
+        moved = memoryview(refused.payload)
+        if rr.mdigest != (refused.payload_digest if rr.momentum else None) or (not rr.momentum and len(moved)):
             raise Malformed("accuse replication's momentum is not the one it names")
         update = await asyncio.to_thread(self.updates.open, head, fresh=False)
         if update.sender != refused.sender:

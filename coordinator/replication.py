@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +47,8 @@ from .wire import (
     pack_momentum,
     path_fragment,
     replicate_payload_max,
+    replicate_trailer_len,
+    replicate_trailer_max,
     split_replicate,
 )
 
@@ -112,7 +115,9 @@ class Replication:
         self.on_audit_failed: Callable[[UpdateFields, str, bytes | None, Encoded | None, Envelope], None] = \
             lambda f, signer, prefix, momentum, env: None
         server.add_envelope_route(ROUTE_REPLICATE, verifier, self._on_replicate, kinds={REPLICATE},
-                                  max_payload=replicate_payload_max(codec, store.max_numel()))
+                                  max_payload=replicate_payload_max(codec, store.max_numel()),
+                                  trailer=functools.partial(replicate_trailer_len, P=len(store)),
+                                  max_trailer=replicate_trailer_max(codec, store.max_numel()))
         server.add_route("GET", ROUTE_MOMENTUM, self._serve_momentum)
 
     def take(self, p: int) -> tuple[Version, Encoded | None] | None:
@@ -156,14 +161,13 @@ class Replication:
         claimed = self._ahead.get(p, (None, set()))
         disbelieved = claimed[1] if claimed[0] == base else set()
         self._alone_since = None
-        # (encoded, joined and sealed in worker threads: the loop keeps answering meanwhile)
+        # (encoded, hashed and sealed in worker threads: the loop keeps answering meanwhile)
         mmeta, mbytes = await asyncio.to_thread(self.codec.encode, momentum) if momentum is not None else (None, b"")
         mdigest = await asyncio.to_thread(momentum_digest, mbytes) if momentum is not None else None
         if len(deltas) > MAX_AUDITED_DELTAS or not all(prefix for prefix, _ in deltas):
             deltas = ()  # (too many to carry, or one without its frame: not recomputed)
-        # (the frames are joined here, in a worker thread: a copy on the loop would hold the GIL for ~10 ms each)
-        payload = await asyncio.to_thread(join_bytes, update.prefix(), update.payload, mbytes,
-                                          *(part for delta in deltas for part in delta))
+        # the signed frames go after the envelope as they are: neither copied into one buffer nor hashed again
+        trailer = [update.prefix(), update.payload, *(part for delta in deltas for part in delta)]
         fields = ReplicateFields(p, term, label, False, update.frame_size(), mmeta,
                                  tuple(len(prefix) + memoryview(body).nbytes for prefix, body in deltas),
                                  mdigest).to_fields()
@@ -177,8 +181,9 @@ class Replication:
                 silent.add(peer)
                 return None
             try:
-                env = await asyncio.to_thread(seal, self.identity, REPLICATE, self.spec.run_id, fields, payload)
-                await self.client.send_envelope(url, ROUTE_REPLICATE, env, min_deadline_s=STATEFUL_POST_FLOOR_S)
+                env = seal(self.identity, REPLICATE, self.spec.run_id, fields, mbytes, digest=mdigest)
+                await self.client.send_envelope(url, ROUTE_REPLICATE, env, trailer,
+                                                min_deadline_s=STATEFUL_POST_FLOOR_S)
                 return peer
             except RemoteError as e:
                 if e.status == 409 and momentum is not None:  # the replica is behind: send it everything
@@ -283,19 +288,20 @@ class Replication:
         payload = memoryview(env.payload)
         numel = self.store.numel(f.p)
         self.terms_seen[f.p] = max(self.terms_seen[f.p], f.term)
-        head, rest = payload[: f.update_len], payload[f.update_len :]
         if not f.full:
-            head, rest, frames = split_replicate(f, payload)
+            # the trailer's frames are bound to this signed header by their signer, fragment and version (a
+            # label is signed once, docs/protocol.md §7.19) and, for the deltas, by the update's `merged`
+            head, frames = split_replicate(f, env.trailer)
+            rest = payload  # the momentum
             update = self.sync.verifier.open(head, fresh=False)  # (views, not copies: see `join_bytes`)
             if update.sender != env.sender:
                 raise Unauthorized("a replication carries its sender's own update")
             uf = UpdateFields.parse(update.fields, len(self.store))
-            if uf.p != f.p:
-                raise Malformed("a replication carries an update of another fragment")
+            if uf.p != f.p or uf.new != f.label:
+                raise Malformed("a replication carries an update of another fragment or version")
             self._check_base(uf)
-            if (f.mdigest is not None) != bool(f.momentum) or (f.mdigest is not None
-                                                               and await asyncio.to_thread(momentum_digest, rest) != f.mdigest):
-                raise Malformed("replicate mdigest is not the SHA-256 of its momentum bytes")
+            if f.mdigest != (env.payload_digest if f.momentum else None) or (not f.momentum and len(rest)):
+                raise Malformed("replicate mdigest is not the SHA-256 of its momentum bytes, its payload")
             if self.auditor is not None:
                 kept = self.kept.get(f.p)
                 try:
@@ -316,6 +322,7 @@ class Replication:
                 with self.pool.borrow(numel) as scratch:
                     momentum.decode(numel, out=scratch)
         else:
+            head, rest = payload[: f.update_len], payload[f.update_len :]
             if len(rest) != 8 * numel:
                 raise Malformed(f"full replication of fragment {f.p} must carry {8 * numel} bytes of state")
             cert = self.sync.verifier.certificate(bytes(head))

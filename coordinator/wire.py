@@ -172,11 +172,13 @@ class UpdateFields:
 class ReplicateFields:
     """Owner → replica, before publishing: the update frame (as learners will get it) and the momentum.
 
-    Payload: the update frame's bytes (`update_len` of them), then the momentum codec payload, then the
-    frames of the deltas the update merged (`deltas`: their byte lengths, in the update's `merged` order), so
-    that the replica can recompute the step (coordinator/audit.py). With `full`, the payload is instead the
-    fp32 anchor followed by the fp32 momentum (a new replica's first copy), and `update_len` is the anchor's
-    byte length.
+    Payload: the momentum codec payload (empty without one). The body goes on after the frame (its trailer,
+    `replicate_trailer_len`): the update frame's bytes (`update_len` of them), then the frames of the deltas
+    the update merged (`deltas`: their byte lengths, in the update's `merged` order), so that the replica can
+    recompute the step (coordinator/audit.py). Each of those frames is signed by its own sender and hashed
+    once, when it is verified; the replicate's own signature covers the momentum. With `full`, the payload is
+    instead the certificate (`update_len` bytes), the fp32 anchor and the fp32 momentum (a new replica's first
+    copy), and there is no trailer.
     """
 
     p: int
@@ -188,6 +190,7 @@ class ReplicateFields:
     deltas: tuple[int, ...] = ()  # byte lengths of the merged delta frames at the payload's end
     # SHA-256 of the momentum's bytes (codec payload, or fp32 in the full form); None: no momentum. Signed in
     # the header, so the header alone and those bytes prove what the owner replicated (an accusation, §7.20).
+    # In the normal form the payload is the momentum: `mdigest` is the header's payload digest.
     mdigest: bytes | None = None
 
     def to_fields(self) -> dict[str, Any]:
@@ -271,10 +274,22 @@ MAX_AUDITED_DELTAS = 16  # delta frames a `replicate` carries at most; a larger 
 
 
 def replicate_payload_max(codec: Codec, numel: int) -> int:
-    """The largest `replicate` payload for such a fragment: an update frame, the momentum in the run's codec and
-    up to MAX_AUDITED_DELTAS delta frames, or (the full form) a certificate and the fp32 anchor and momentum."""
-    frame = frame_limit(codec.encoded_size(numel))
-    return max(frame + codec.encoded_size(numel) + MAX_AUDITED_DELTAS * frame, MAX_CERT + 8 * numel)
+    """The largest `replicate` payload for such a fragment: the momentum in the run's codec, or (the full form)
+    a certificate and the fp32 anchor and momentum."""
+    return max(codec.encoded_size(numel), MAX_CERT + 8 * numel)
+
+
+def replicate_trailer_max(codec: Codec, numel: int) -> int:
+    """The largest `replicate` trailer for such a fragment: an update frame and up to MAX_AUDITED_DELTAS delta
+    frames."""
+    return (1 + MAX_AUDITED_DELTAS) * frame_limit(codec.encoded_size(numel))
+
+
+def replicate_trailer_len(fields: dict[str, Any], P: int) -> int:
+    """How many bytes follow a `replicate` frame with these fields: its update and delta frames (none in the
+    full form). Raises `Malformed` for fields that do not parse."""
+    f = ReplicateFields.parse(fields, P)
+    return 0 if f.full else f.update_len + sum(f.deltas)
 
 
 def momentum_digest(data: bytes | memoryview | Any) -> bytes:
@@ -282,17 +297,16 @@ def momentum_digest(data: bytes | memoryview | Any) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def split_replicate(f: ReplicateFields, payload: memoryview) -> tuple[memoryview, memoryview, list[memoryview]]:
-    """The parts of a normal `replicate` payload (views, not copies): the update frame, the momentum bytes, and
-    the delta frames at its end. Raises `Malformed` when the lengths do not fit."""
-    head, rest = payload[: f.update_len], payload[f.update_len :]
-    if f.update_len > len(payload) or sum(f.deltas) > len(rest):
-        raise Malformed("replicate update and delta frames are longer than its payload")
-    frames, end = [], len(rest)
-    for n in reversed(f.deltas):  # the delta frames close the payload
-        frames.insert(0, rest[end - n : end])
-        end -= n
-    return head, rest[:end], frames
+def split_replicate(f: ReplicateFields, trailer: memoryview) -> tuple[memoryview, list[memoryview]]:
+    """The frames in a normal `replicate`'s trailer (views, not copies): the update frame and the delta frames.
+    Raises `Malformed` when the lengths do not add up to the trailer's."""
+    if f.full or f.update_len + sum(f.deltas) != len(trailer):
+        raise Malformed("replicate update and delta frames do not fill its trailer")
+    frames, pos = [], f.update_len
+    for n in f.deltas:
+        frames.append(trailer[pos : pos + n])
+        pos += n
+    return trailer[: f.update_len], frames
 
 
 @dataclass(frozen=True)
@@ -300,7 +314,7 @@ class AccuseFields:
     """Any peer → members: evidence that an owner published update `new` of fragment p that is not the merge
     it names (docs/protocol.md §7.20). Payload: the prefix of the owner's `replicate` of `new`'s base
     (`base_len` bytes: header and signature only), the momentum bytes that prefix's `mdigest` names
-    (`momentum_len`), then the owner's whole `replicate` frame of `new`."""
+    (`momentum_len`), then the owner's whole `replicate` frame of `new` followed by its trailer."""
 
     p: int
     new: Version
@@ -318,8 +332,9 @@ class AccuseFields:
 
 
 def accuse_payload_max(codec: Codec, numel: int) -> int:
-    """The largest `accuse` payload: a replicate prefix, an fp32 momentum (the largest form) and a replicate frame."""
-    return MAX_CERT + 4 * numel + frame_limit(replicate_payload_max(codec, numel))
+    """The largest `accuse` payload: a replicate prefix, an fp32 momentum (the largest form) and a replicate frame
+    with its trailer."""
+    return MAX_CERT + 4 * numel + frame_limit(replicate_payload_max(codec, numel)) + replicate_trailer_max(codec, numel)
 
 
 def fragment_body_max(numel: int) -> int:

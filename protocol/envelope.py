@@ -57,6 +57,9 @@ def max_frame_size() -> int:
     return frame_limit(max([DEFAULT_MAX_PAYLOAD, *_PAYLOAD_LIMITS.values()]))
 
 
+_NO_TRAILER = memoryview(b"")
+
+
 @dataclass(frozen=True)
 class Envelope:
     """A verified (or freshly sealed) message. `header` and `signature` are the exact signed bytes."""
@@ -72,10 +75,18 @@ class Envelope:
     signature: bytes = field(repr=False)
     # the whole frame as received, when it arrived in one read-only buffer: `frame()` hands it out uncopied
     received: memoryview | None = field(default=None, repr=False, compare=False)
+    # bytes that came after the frame in the same body, where the route's kind takes some (`read`'s `trailer`):
+    # not covered by the signature; what they are and how each is checked is that kind's own rule
+    trailer: memoryview = field(default=_NO_TRAILER, repr=False, compare=False)
 
     @property
     def sender_id(self) -> str:
         return peer_id_of(self.sender)
+
+    @property
+    def payload_digest(self) -> bytes:
+        """SHA-256 of the payload, as the signed header names it (checked against the payload when received)."""
+        return parse_header(self.header)["payload_digest"]
 
     def prefix(self) -> bytes:
         """Everything before the payload; send `prefix()` then `payload` to relay the message unchanged."""
@@ -103,8 +114,10 @@ def seal(
     payload: bytes | bytearray | memoryview = b"",
     *,
     now_ms: int | None = None,
+    digest: bytes | None = None,
 ) -> Envelope:
-    """Sign a new message. The payload is hashed, not copied."""
+    """Sign a new message. The payload is hashed, not copied; `digest`: its SHA-256, when the caller has just
+    computed it over these very bytes (it is not computed again)."""
     if len(run_id) != RUN_ID_BYTES:
         raise ValueError(f"run_id must be {RUN_ID_BYTES} bytes")
     if len(payload) > payload_limit(kind):
@@ -118,7 +131,7 @@ def seal(
         "timestamp_ms": int(time.time() * 1000) if now_ms is None else now_ms,
         "fields": fields or {},
         "payload_len": len(payload),
-        "payload_digest": hashlib.sha256(payload).digest(),
+        "payload_digest": hashlib.sha256(payload).digest() if digest is None else digest,
     }
     header = canonical.packb(header_fields)
     if len(header) > MAX_HEADER_BYTES:
@@ -284,33 +297,41 @@ class EnvelopeVerifier:
         h = self.check_header(bytes(header), bytes(signature), fresh=False)
         return _envelope(h, bytes(header), bytes(signature), b"")
 
-    def open(self, frame: bytes | bytearray | memoryview, *, fresh: bool = True) -> Envelope:
-        """Verify a whole frame held in memory (`fresh` as in `check_header`)."""
+    def open(self, frame: bytes | bytearray | memoryview, *, fresh: bool = True, trailing: bool = False) -> Envelope:
+        """Verify a whole frame held in memory (`fresh` as in `check_header`). With `trailing`, bytes after the
+        payload are the envelope's `trailer` (unchecked) instead of an error."""
         mv = memoryview(frame)
         header, signature, rest = _split_prefix(mv)
         h = self.check_header(bytes(header), bytes(signature), fresh=fresh)
         try:
-            if len(rest) != h["payload_len"]:
-                raise Malformed(f"payload is {len(rest)} bytes, header says {h['payload_len']}")
+            n = h["payload_len"]
+            if len(rest) < n or (len(rest) > n and not trailing):
+                raise Malformed(f"payload is {len(rest)} bytes, header says {n}")
+            rest, trailer = rest[:n], rest[n:]
             if hashlib.sha256(rest).digest() != h["payload_digest"]:
                 raise BadSignature("payload does not match its signed digest")
         except ProtocolError:
             self.release(h)
             raise
         # (a buffer the caller may still write to is copied by `frame()`, as before)
-        return _envelope(h, bytes(header), bytes(signature), rest, received=mv if mv.readonly else None)
+        received = mv[: len(mv) - len(trailer)] if mv.readonly else None
+        return _envelope(h, bytes(header), bytes(signature), rest, received=received, trailer=trailer)
 
     async def read(
         self, chunks: AsyncIterator[bytes], *, content_length: int | None = None, fresh: bool = True,
         kinds: frozenset[str] | None = None, max_payload: int | None = None,
+        trailer: Callable[[dict[str, Any]], int] | None = None, max_trailer: int = 0,
     ) -> Envelope:
         """Verify a frame arriving as an async stream of chunks (e.g. aiohttp's `content.iter_any()`).
 
         The size is checked before anything is read when `content_length` is known; the header (kind and
         size included: `kinds`, `max_payload` as in `check_header`) is verified before any payload byte is
-        buffered; the digest is updated chunk by chunk.
+        buffered; the digest is updated chunk by chunk. `trailer`: for a kind whose body goes on after the
+        frame (docs/protocol.md §3.2), how many bytes follow, from the verified header's fields (at most
+        `max_trailer`; it may raise `Malformed`); they are read into the envelope's `trailer`, not hashed.
         """
         largest = max_frame_size() if max_payload is None else min(max_frame_size(), frame_limit(max_payload))
+        largest += max_trailer if trailer is not None else 0
         if content_length is not None and content_length > largest:
             raise TooLarge(f"message of {content_length} bytes exceeds the largest allowed here ({largest})")
         reader = _ChunkReader(chunks)
@@ -322,32 +343,40 @@ class EnvelopeVerifier:
         h = self.check_header(header, signature, fresh=fresh, kinds=kinds, max_payload=max_payload)
         try:
             n = h["payload_len"]
-            if content_length is not None and content_length != _PREFIX.size + hlen + SIGNATURE_BYTES + n:
-                raise Malformed("Content-Length does not match the envelope's payload_len")
+            t = trailer(h["fields"]) if trailer is not None else 0
+            if t > max_trailer:
+                raise TooLarge(f"{h['kind']} trailer of {t} bytes exceeds the limit of {max_trailer}")
+            if content_length is not None and content_length != _PREFIX.size + hlen + SIGNATURE_BYTES + n + t:
+                raise Malformed("Content-Length does not match the envelope's payload_len"
+                                + (" and trailer" if trailer is not None else ""))
             # np.empty, not bytearray(n): that zero-fills megabytes (and faults their pages in) holding the GIL,
             # the largest GIL hold of a learner's loop in the step-latency benchmark; numpy copies into it
             # without the GIL. The prefix goes first, so that the frame is one buffer (`Envelope.frame`).
             prefix = _prefix(header, signature)
-            whole = np.empty(len(prefix) + n, np.uint8)
+            whole = np.empty(len(prefix) + n + t, np.uint8)
             whole[: len(prefix)] = np.frombuffer(prefix, np.uint8)
             view = whole[len(prefix) :]
-            payload = memoryview(view)
             digest = hashlib.sha256()
             pos = 0
             async for part in reader.rest():
-                if pos + len(part) > n:
-                    raise Malformed(f"payload longer than the {n} bytes its header declares")
+                if pos + len(part) > n + t:
+                    raise Malformed(f"payload longer than the {n} bytes its header declares"
+                                    + (f" (and a trailer of {t})" if trailer is not None else ""))
                 view[pos : pos + len(part)] = np.frombuffer(part, np.uint8)
-                digest.update(part)
+                digest.update(memoryview(part)[: max(0, n - pos)])
                 pos += len(part)
-            if pos != n:
-                raise Malformed(f"payload ended after {pos} of {n} bytes")
+            if pos != n + t:
+                raise Malformed(f"payload ended after {min(pos, n)} of {n} bytes"
+                                + (f" and {max(0, pos - n)} of its {t}-byte trailer" if t else ""))
             if digest.digest() != h["payload_digest"]:
                 raise BadSignature("payload does not match its signed digest")
         except BaseException:
             self.release(h)
             raise
-        return _envelope(h, header, signature, payload, received=memoryview(whole).toreadonly())
+        # (the trailer stays writable: a part of it that is kept, e.g. a frame, is copied out by `frame()`
+        # instead of holding on to this whole buffer)
+        return _envelope(h, header, signature, memoryview(view[:n]),
+                         received=memoryview(whole[: len(prefix) + n]).toreadonly(), trailer=memoryview(view[n:]))
 
 
 def join_bytes(*parts: bytes | bytearray | memoryview) -> memoryview:
@@ -369,7 +398,7 @@ def _prefix(header: bytes, signature: bytes) -> bytes:
 
 
 def _envelope(h: dict[str, Any], header: bytes, signature: bytes, payload: Any,
-              received: memoryview | None = None) -> Envelope:
+              received: memoryview | None = None, trailer: memoryview = _NO_TRAILER) -> Envelope:
     return Envelope(
         kind=h["kind"],
         run_id=h["run_id"],
@@ -381,6 +410,7 @@ def _envelope(h: dict[str, Any], header: bytes, signature: bytes, payload: Any,
         header=header,
         signature=signature,
         received=received,
+        trailer=trailer,
     )
 
 

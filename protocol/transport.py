@@ -16,8 +16,9 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -126,21 +127,24 @@ class PeerServer:
         kinds: Iterable[str] | None = None,
         fresh: bool = True,
         max_payload: int | None = None,
+        trailer: Callable[[dict[str, Any]], int] | None = None,
+        max_trailer: int = 0,
     ) -> None:
         """POST route whose body is one envelope, verified (signature, run, replay, digest) before `handler`.
 
         `fresh=False` accepts relayed envelopes of any age (no replay window): only for idempotent messages.
         `kinds` and `max_payload` (the route's own limit, from the run's plan) are checked on the header,
-        before any payload byte is read.
+        before any payload byte is read. `trailer` and `max_trailer`: the body goes on after the frame by that
+        many bytes, the envelope's `trailer` (`EnvelopeVerifier.read`), which the handler checks.
         """
         accepted = frozenset(kinds) if kinds is not None else None
 
         async def route(request: web.Request) -> web.StreamResponse:
             env = await verifier.read(
                 paced(request.content.iter_chunked(CHUNK)), content_length=request.content_length, fresh=fresh,
-                kinds=accepted, max_payload=max_payload,
+                kinds=accepted, max_payload=max_payload, trailer=trailer, max_trailer=max_trailer,
             )
-            request[BYTES_IN] = env.frame_size()
+            request[BYTES_IN] = env.frame_size() + len(env.trailer)
             try:
                 out = await handler(env, request)
             except Unavailable:  # (refused before any work: the same message may come again, e.g. relayed)
@@ -289,11 +293,13 @@ class PeerClient:
             est = self.links[url] = LinkEstimator(self.policy)
         return est
 
-    async def send_envelope(self, url: str, path: str, env: Envelope, **kw) -> bytes | bytearray:
-        """POST one envelope; large payloads stream without being copied into one buffer."""
-        if len(env.payload) <= CHUNK:
+    async def send_envelope(self, url: str, path: str, env: Envelope,
+                            trailer: Sequence[bytes | bytearray | memoryview] = (), **kw) -> bytes | bytearray:
+        """POST one envelope, then the `trailer` buffers where the route takes one; large bodies stream without
+        being copied into one buffer."""
+        if len(env.payload) <= CHUNK and not trailer:
             return await self.request("POST", url, path, body=env.to_bytes(), **kw)
-        return await self.request("POST", url, path, body=[env.prefix(), env.payload], **kw)
+        return await self.request("POST", url, path, body=[env.prefix(), env.payload, *trailer], **kw)
 
     async def request(
         self,

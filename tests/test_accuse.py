@@ -5,6 +5,7 @@ two rounds (FragmentOwner on signed int8 deltas); the member view is a stand-in 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import types
 
@@ -68,8 +69,8 @@ def owner_rounds(owner: Identity, learners: list[Identity], flip_second: bool = 
             mmeta, mbytes = CODEC.encode(pub.momentum)
             rf = ReplicateFields(0, TERM, pub.new, False, update.frame_size(), mmeta, tuple(len(d) for d in deltas),
                                  momentum_digest(mbytes))
-            frames_out.append((seal(owner, REPLICATE, RUN, rf.to_fields(),
-                                    join_bytes(update.to_bytes(), mbytes, *deltas)), bytes(mbytes)))
+            env = seal(owner, REPLICATE, RUN, rf.to_fields(), mbytes)  # (the frames follow it, as its trailer)
+            frames_out.append((dataclasses.replace(env, trailer=join_bytes(update.to_bytes(), *deltas)), bytes(mbytes)))
         o.commit(pub)
         base = pub.new
     return frames_out  # [(round 1, its momentum), (round 2 honest, …), (round 2 as published, …)]
@@ -79,7 +80,8 @@ def accusation(accuser: Identity, base, base_momentum: bytes, refused, p: int = 
     """The `accuse` envelope a replica sends: the base's replicate prefix and momentum, the refused frame."""
     new = ReplicateFields.parse(refused.fields, 1).label
     fields = AccuseFields(p, new, len(base.prefix()), len(base_momentum)).to_fields()
-    return seal(accuser, ACCUSE, RUN, fields, join_bytes(base.prefix(), base_momentum, refused.to_bytes()))
+    return seal(accuser, ACCUSE, RUN, fields, join_bytes(base.prefix(), base_momentum, refused.to_bytes(),
+                                                         refused.trailer))
 
 
 def make_judge(server: PeerServer | None = None, servers=lambda suspects=False: [],
@@ -127,14 +129,20 @@ async def test_evidence_that_does_not_hold_together_is_a_typed_error_and_changes
     (base, m1), (honest, m2), (flipped, _) = owner_rounds(owner, learners)
     other = Identity.generate()
     (other_base, other_m1), _, _ = owner_rounds(other, learners)
-    tampered = bytearray(flipped.to_bytes())
+    tampered = bytearray(flipped.to_bytes())  # (its last byte: the momentum's, under the owner's signature)
     tampered[-1] ^= 1
+    tampered_delta = bytearray(flipped.trailer)  # (a byte of the last delta frame, under its learner's)
+    tampered_delta[-1] ^= 1
     cases = [
         (accusation(accuser, base, bytes([m1[0] ^ 1]) + m1[1:], flipped), Malformed),  # not the base's momentum
         (accusation(accuser, other_base, other_m1, flipped), Malformed),  # two signers
         (accusation(accuser, honest, m2, flipped), Malformed),  # the base is not the update's base
         (seal(accuser, ACCUSE, RUN, AccuseFields(0, Version(TERM, 5), len(base.prefix()), len(m1)).to_fields(),
-              join_bytes(base.prefix(), m1, bytes(tampered))), BadSignature),  # a frame the owner did not sign
+              join_bytes(base.prefix(), m1, bytes(tampered), flipped.trailer)), BadSignature),  # not the owner's
+        (seal(accuser, ACCUSE, RUN, AccuseFields(0, Version(TERM, 5), len(base.prefix()), len(m1)).to_fields(),
+              join_bytes(base.prefix(), m1, flipped.to_bytes(), tampered_delta)), BadSignature),  # not a learner's
+        (seal(accuser, ACCUSE, RUN, AccuseFields(0, Version(TERM, 5), len(base.prefix()), len(m1)).to_fields(),
+              join_bytes(base.prefix(), m1, flipped.to_bytes(), flipped.trailer[:-1])), Malformed),  # cut short
         (seal(accuser, ACCUSE, RUN, AccuseFields(0, Version(TERM, 5), 10**4, 10**9).to_fields(), b"x"), Malformed),
     ]
     for env, error in cases:

@@ -28,6 +28,7 @@ from diloco.coordinator.wire import (
     UPDATE,
     ReplicateFields,
     UpdateFields,
+    momentum_digest,
 )
 from diloco.protocol.codecs import get_codec
 from diloco.protocol.envelope import join_bytes, seal
@@ -220,3 +221,48 @@ def test_a_takeover_published_while_this_peer_was_away_may_be_fetched_or_handed_
         with pytest.raises(Unauthorized):
             replicate(signer, full)
     assert replication.stats["replications_unauthorized"] == 2
+
+
+def test_a_replication_whose_trailer_does_not_hold_together_is_refused_and_changes_nothing(swarm):
+    """A `replicate`'s update and delta frames follow its frame, outside its signature (docs/protocol.md
+    §7.6): each is checked on its own, and bound to the signed header by its lengths, its signer, fragment
+    and version, and the momentum by `mdigest`. Signed by the owner itself, a replication whose trailer is
+    short, whose update is of another version, or whose `mdigest` is not its payload's, answers 400 at the
+    replica, which keeps what it held."""
+    genesis, nodes = swarm
+    spec, p = genesis.spec, 0
+    roles = nodes[0].learner.swarm.members.roles(p)
+    by_id = {n.learner.swarm.identity.peer_id: n for n in nodes}
+    owner, replica = by_id[roles[0]], by_id[roles[1]]
+    key = owner.learner.swarm.identity
+    wait_until(lambda: p in owner.learner.swarm.shard.owners, 10, "the owner's ownership of fragment 0")
+    term = owner.learner.swarm.shard.owners[p].term
+    store, replication = replica.learner.swarm.store, replica.learner.swarm.shard.replication
+    base = store.label(p)
+    anchor = store.read(p)[0].clone()
+    int8 = get_codec("int8")
+    meta, payload = int8.encode(torch.full_like(anchor, 1e-3))
+    mmeta, mbytes = int8.encode(torch.zeros_like(anchor))
+    new = Version(term, base.version + 1)
+    update = seal(key, UPDATE, spec.run_id, UpdateFields(p, base, new, anchor_digest(anchor + int8.decode(meta, payload)),
+                                                         meta, (key.peer_id,)).to_fields(), payload).to_bytes()
+
+    def replicate(label: Version, trailer: bytes, mdigest: bytes | None = None, update_len: int | None = None):
+        fields = ReplicateFields(p, term, label, False, len(update) if update_len is None else update_len, mmeta,
+                                 (), mdigest or momentum_digest(mbytes)).to_fields()
+        return seal(key, REPLICATE, spec.run_id, fields, mbytes).to_bytes() + trailer
+
+    kept = replication.kept.get(p)
+    cases = {
+        "short": replicate(new, update[:-1]),  # (the body ends before the trailer its fields announce)
+        "long": replicate(new, update, update_len=len(update) - 1),
+        "another version": replicate(Version(term, base.version + 2), update),
+        "mdigest": replicate(new, update, mdigest=bytes(32)),
+    }
+    for name, body in cases.items():
+        assert post(replica.url, ROUTE_REPLICATE, body) == 400, name
+    assert store.label(p) == base and torch.equal(store.read(p)[0], anchor)
+    assert replication.kept.get(p) is kept and replication.stats["replications_received"] == 0
+    # the same replication, whole: held (the frames are the owner's own and fill the trailer)
+    assert post(replica.url, ROUTE_REPLICATE, replicate(new, update)) == 200
+    assert store.label(p) == new and replication.kept[p][0] == new and replication.stats["replications_received"] == 1

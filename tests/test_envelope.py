@@ -193,6 +193,45 @@ def test_content_length_mismatch_is_malformed():
         read(EnvelopeVerifier(RUN), data, content_length=len(data) + 1)
 
 
+@pytest.mark.parametrize("chunk", [1, 5, 64, 10_000])
+def test_a_trailer_the_header_announces_is_read_after_the_frame_unhashed_and_checked_for_its_length(chunk):
+    def trailer(fields):
+        if not isinstance(fields.get("t"), int) or fields["t"] < 0:
+            raise Malformed("bad trailer length")
+        return fields["t"]
+
+    def body_read(data, content_length=None, max_trailer=100, verifier=None):
+        return asyncio.run((verifier or EnvelopeVerifier(RUN)).read(
+            chunked(data, chunk), content_length=content_length, trailer=trailer, max_trailer=max_trailer))
+
+    env = seal(SENDER, "test.small", RUN, {"t": 7}, b"payload!")
+    data = env.to_bytes() + b"TRAILER"
+    got = body_read(data, len(data))
+    assert bytes(got.payload) == b"payload!" and bytes(got.trailer) == b"TRAILER"
+    assert bytes(got.frame()) == env.to_bytes() and got.payload_digest == hashlib.sha256(b"payload!").digest()
+    opened = EnvelopeVerifier(RUN).open(data, trailing=True)
+    assert bytes(opened.payload) == b"payload!" and bytes(opened.trailer) == b"TRAILER"
+    with pytest.raises(Malformed):  # (bytes after the payload, where none are expected)
+        EnvelopeVerifier(RUN).open(data)
+    with pytest.raises(Malformed, match="trailer"):
+        body_read(data[:-1])
+    with pytest.raises(Malformed, match="longer"):
+        body_read(data + b"!")
+    with pytest.raises(Malformed, match="Content-Length"):
+        body_read(data, len(data) - 1)
+    with pytest.raises(TooLarge):
+        body_read(data, max_trailer=6)
+    with pytest.raises(TooLarge):  # (over the route's whole limit: refused on Content-Length, before reading)
+        asyncio.run(EnvelopeVerifier(RUN).read(chunked(b"", 1), content_length=max_frame_size() + 101,
+                                               trailer=trailer, max_trailer=100))
+    with pytest.raises(Malformed, match="bad trailer"):
+        body_read(seal(SENDER, "test.small", RUN, {"t": -1}, b"x").to_bytes())
+    tampered = bytearray(data)
+    tampered[-8] ^= 1  # the payload's last byte: signed, unlike the trailer's
+    with pytest.raises(BadSignature):
+        body_read(bytes(tampered))
+
+
 def test_non_canonical_header_is_malformed():
     env = seal(SENDER, "test.small", RUN, {"b": 1, "a": 2}, b"")
     h = msgpack.unpackb(env.header)
