@@ -5,7 +5,10 @@
 A real swarm of 3 learner processes (`diloco-node join`, the built-in tiny-GPT task, an `allowlist` run: TLS
 and signed reads, one torch thread each) trains; after a warm-up, a clean window; then two flooder processes
 (this file, `--flooder`; one asyncio loop does not send 1,000 TLS requests a second here) send junk at one
-learner (the target) for 30 s (10 s with --quick) while another learner (the control) is left alone. The
+learner (the target) for 30 s (10 s with --quick) while another learner (the control) is left alone; then,
+once the flooders are gone, a second clean window as long as the first (clean, flood, clean: a drift of the
+two learners' relative speed through the run, which on this machine moves it by up to 10%, cancels out
+instead of counting for or against the flood). The
 flood, every kind at once, from other loopback addresses (127.0.0.2 ... : distinct hosts to the limits, which
 key on the source address):
 
@@ -19,10 +22,14 @@ key on the source address):
   - 500 concurrent idle connections (100 from each of 127.0.0.6-10), reopened when closed.
 
 Keys of the last JSON line:
-  steps_per_s_clean / control_clean   the target's / the control's inner steps/s in the clean window
+  steps_per_s_clean / control_clean   the target's / the control's inner steps/s in the clean windows (mean of
+                         the two)
   steps_per_s_flood / control_flood   the same during the flood
-  ratio                  (target_flood / control_flood) / (target_clean / control_clean): 1 = the flood costs
-                         the target nothing the control does not also lose (the machine's shared CPU); >= 0.90
+  ratio                  (target_flood / control_flood) / the mean of (target_clean / control_clean) over the
+                         two clean windows: 1 = the flood costs the target nothing the control does not also
+                         lose (the machine's shared CPU); >= 0.90. `clean_relation_before` and
+                         `clean_relation_after` are the two windows' relations (an after-effect of the flood
+                         would show in the second), `ratio_vs_before` the ratio against the first alone
   requests_sent          junk requests the flooder started (idle connections not counted)
   requests_refused       of those, answered with an error status or closed without an answer
   peak_rss_growth_mb     the target's peak RSS during the flood − its RSS when the flood started (MiB); <= 64
@@ -219,7 +226,7 @@ def start_swarm(tmp: Path, spec: Path, keys: list[Path]) -> list[Child]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="shorter windows (about a minute and a half)")
+    ap.add_argument("--quick", action="store_true", help="shorter windows (about two minutes)")
     ap.add_argument("--rate", type=float, default=1000.0, help="junk requests per second")
     ap.add_argument("--flooder", nargs=4, metavar=("URL", "SPEC", "SECONDS", "IDLE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -260,6 +267,12 @@ def main() -> None:
             time.sleep(flood_s - 1)
             cpu3, w3 = thread_cpu_s(target.proc.pid), time.monotonic()
             reports = [f.wait_event("done", timeout=flood_s + 120) for f in flooders]
+            for f in flooders:  # (their idle connections close with them)
+                f.stop()
+            time.sleep(2.0)
+            t_after0 = time.time()
+            time.sleep(clean_s)
+            t_after1 = time.time()
             outcomes: Counter[str] = Counter()
             for r in reports:
                 outcomes.update(r["outcomes"])
@@ -270,15 +283,18 @@ def main() -> None:
             t_flood0, t_flood1 = started["t"] + 1.0, report["t_end"]  # (1 s for the idle connections to settle)
             sampler.stop()
             tc, cc = target.steps_per_s(t_clean0, t_clean1), control.steps_per_s(t_clean0, t_clean1)
+            ta, ca = target.steps_per_s(t_after0, t_after1), control.steps_per_s(t_after0, t_after1)
             tf, cf = target.steps_per_s(t_flood0, t_flood1), control.steps_per_s(t_flood0, t_flood1)
+            clean_relation = (tc / cc + ta / ca) / 2
             for c in children:
                 c.stop()
             logs = [(tmp / f"learner{i}.log").read_text() for i in range(LEARNERS)]
             honest_refusals = sum(len(re.findall(r"refused .* from 127\.0\.0\.1 ", text)) for text in logs)
             target_lines = len(re.findall(r"refused .* from 127\.0\.0\.", logs[1]))  # (one every 10 s at most)
             result = {
-                "steps_per_s_clean": tc, "steps_per_s_flood": tf, "control_clean": cc, "control_flood": cf,
-                "ratio": (tf / cf) / (tc / cc), "requests_sent": report["sent"], "requests_refused": report["refused"],
+                "steps_per_s_clean": (tc + ta) / 2, "steps_per_s_flood": tf, "control_clean": (cc + ca) / 2,
+                "control_flood": cf, "ratio": (tf / cf) / clean_relation, "requests_sent": report["sent"],
+                "requests_refused": report["refused"],
                 "peak_rss_growth_mb": sampler.growth(target.proc.pid, started["t"], t_flood1),
                 "control_rss_growth_mb": sampler.growth(control.proc.pid, started["t"], t_flood1),
                 "refusals": report["outcomes"], "idle_connections_held": report["idle_held"],
@@ -289,6 +305,8 @@ def main() -> None:
                 "target_cpu_per_s_flood": cpu_per_s(cpu2, cpu3, w3 - w2),
                 "flood_requests_per_s": sum(r["sent"] / (r["t_end"] - r["t_start"]) for r in reports),
                 "flooder_cpu_per_s": report["cpu_s"] / (report["t_end"] - report["t_start"]),
+                "clean_relation_before": tc / cc, "clean_relation_after": ta / ca,
+                "ratio_vs_before": (tf / cf) / (tc / cc),
             }
         finally:
             for c in children:
