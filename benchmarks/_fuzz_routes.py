@@ -68,10 +68,15 @@ class LivePeer:
             wire.DELTA: wire.DeltaFields(0, labels[0], 10, 640, meta).to_fields(),
             wire.UPDATE: wire.UpdateFields(0, labels[0], labels[0].next(), bytes(32), meta, learners=(me,),
                                            merged=(wire.Merged(me, bytes(32), 10, 640, 0),), clip=1.0).to_fields(),
-            wire.REPLICATE: wire.ReplicateFields(0, 1, labels[0].next(), False, 100, meta).to_fields(),
+            wire.REPLICATE: None,  # (set below: its update_len is the trailer's update frame's length)
             wire.REACH: {"url": self.swarm.url},
             wire.ACCUSE: wire.AccuseFields(0, labels[0].next(), 120, 64).to_fields(),
         }
+        # a replicate's trailer (protocol §4.1): an update frame as the owner signed it, then its delta frames
+        self.update_frame = seal(self.swarm.identity, wire.UPDATE, self.spec.run_id, self.fields[wire.UPDATE],
+                                 self.tensor[1]).to_bytes()
+        self.fields[wire.REPLICATE] = wire.ReplicateFields(0, 1, labels[0].next(), False, len(self.update_frame),
+                                                           meta).to_fields()
 
     def close(self) -> None:
         self.learner.close()
@@ -156,6 +161,9 @@ def _envelope_request(rng: random.Random, peer: LivePeer, *, broken: bool) -> tu
         frame = seal_any(ident, kind, peer.spec.run_id, fields, payload)
     except ProtocolError:  # fields canonical msgpack cannot hold: no peer could send them
         frame = seal_any(ident, kind, peer.spec.run_id, {}, payload)
+    if kind == wire.REPLICATE and rng.random() < 0.7:  # (the trailer, intact or mutated: not signed by the frame)
+        trailer = peer.update_frame if rng.random() < 0.3 else mutate_bytes(rng, peer.update_frame)
+        frame += trailer + bytes(rng.choice((0, 0, 1, 64)))
     if broken:  # (a frame changed after signing: until the mutation, every byte is as a member sent it)
         while True:
             changed = mutate_bytes(rng, frame)

@@ -341,7 +341,14 @@ def wire_targets(fx: Fixtures) -> dict[str, Target]:
         kind = rng.choice(list(parsers))
         f = mutate_value(rng, fx.fields[kind], keep_root=True)  # (the envelope checked that fields is a map)
         P = rng.choice((1, 4, 2**40))
-        check_one(tally, f"wire.{kind}", lambda: parsers[kind](f, P), PROTOCOL_ERRORS, BOUND_S, lambda: repr(f))
+        trailer = memoryview(bytes(rng.choice((0, 1, 100, 115, 116, 117, 4096))))
+
+        def call() -> None:
+            parsed = parsers[kind](f, P)
+            if kind == wire.REPLICATE:  # (a replicate's trailer, split by the lengths its fields declare)
+                wire.split_replicate(parsed, trailer)
+
+        check_one(tally, f"wire.{kind}", call, PROTOCOL_ERRORS, BOUND_S, lambda: repr(f))
 
     def bodies(rng: random.Random, tally: Tally) -> None:
         which = rng.randrange(5)

@@ -187,7 +187,7 @@ class ReplicateFields:
     full: bool
     update_len: int
     momentum: dict[str, Any] | None
-    deltas: tuple[int, ...] = ()  # byte lengths of the merged delta frames at the payload's end
+    deltas: tuple[int, ...] = ()  # byte lengths of the merged delta frames in the trailer, after the update
     # SHA-256 of the momentum's bytes (codec payload, or fp32 in the full form); None: no momentum. Signed in
     # the header, so the header alone and those bytes prove what the owner replicated (an accusation, §7.20).
     # In the normal form the payload is the momentum: `mdigest` is the header's payload digest.
