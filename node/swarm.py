@@ -326,6 +326,7 @@ class Swarm:
             self.observer.observe(observe.read(self))  # (before any step: goodput counts from here)
             self._ready.set()  # (`offer_ownership` follows once the model holds what was synced)
             self._spawn(self.observer.run(functools.partial(observe.read, self)))
+            self._spawn(self.dht.find_node(self.identity.node_id))
             for coro in (self.members.run(), self._watch(), self._trim(),
                          *([self.shard.run()] if self.shard else [])):
                 self._spawn(coro, essential=True)
@@ -423,10 +424,10 @@ class Swarm:
         if self.shard is not None:
             self.shard.enabled = True
             self.shard.reassign()
-        # while the fragments download: our record goes out (owners push updates to us once they see us,
-        # `synced` false), and the DHT's self-lookup fills our routing table (nothing the download needs)
-        background = [asyncio.ensure_future(self.members.publish()),
-                      asyncio.ensure_future(self.dht.find_node(self.identity.node_id))]
+        # while the fragments download, our record goes out (owners push updates to us once they see us,
+        # `synced` false); the DHT's self-lookup, which fills our routing table and which nothing in the join
+        # needs, runs after it (`_main`), not beside the downloads that take the CPU
+        background = [asyncio.ensure_future(self.members.publish())]
         try:
             await self._sync_fragments(t0)
         except BaseException:

@@ -13,6 +13,7 @@ from diloco.coordinator.shard import Shard
 from diloco.coordinator.version import Version
 from diloco.coordinator.wire import FragRecord, UpdateFields
 from diloco.node import swarm as swarm_mod
+from diloco.protocol.dht.node import DHTNode
 
 from .swarm_utils import LocalLearner, fast_config, tiny_run, wait_until
 
@@ -98,6 +99,34 @@ def test_a_learner_built_from_another_seed_is_refused_while_its_values_would_be_
             assert torch.equal(joined.plan.flatten(p, joined.params), first.learner.swarm.store.held[p].anchor)
     finally:
         joined.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_starts_without_waiting_for_its_dht_self_lookup_which_runs_once_it_has_joined(fleet, monkeypatch):
+    genesis = tiny_run()
+    learners = fleet(genesis, 2)
+    release, looked_up = threading.Event(), []
+    lookup = DHTNode.find_node
+
+    async def held(node: DHTNode, target: int):
+        if target == node.identity.node_id:  # the self-lookup, held until released
+            while not release.is_set():
+                await asyncio.sleep(0.02)
+            looked_up.append(node)
+        return await lookup(node, target)
+
+    monkeypatch.setattr(DHTNode, "find_node", held)
+    late = LocalLearner(genesis, 2, peers=[learners[0].url])
+    learners.append(late)  # (closed by the fixture)
+    starting = threading.Thread(target=late.start, daemon=True)
+    starting.start()
+    starting.join(30)
+    started = not starting.is_alive()
+    release.set()
+    starting.join(60)
+    assert started, "start() waited for the DHT self-lookup (nothing the join needs)"
+    wait_until(lambda: late.learner.swarm.dht in looked_up, 10, "the self-lookup, after the join")
+    late.train(1)
 
 
 @pytest.mark.timeout(120)
