@@ -158,7 +158,7 @@ class Accusations:
             raise Malformed("accuse momentum is not the one its base replication names")
         head, frames = split_replicate(rr, refused.trailer)
         moved = memoryview(refused.payload)
-        if rr.mdigest != (refused.payload_digest if rr.momentum else None) or (not rr.momentum and len(moved)):
+        if not rr.names_its_momentum(refused.payload_digest, len(moved)):
             raise Malformed("accuse replication's momentum is not the one it names")
         update = await asyncio.to_thread(self.updates.open, head, fresh=False)
         if update.sender != refused.sender:

@@ -300,7 +300,7 @@ class Replication:
             if uf.p != f.p or uf.new != f.label:
                 raise Malformed("a replication carries an update of another fragment or version")
             self._check_base(uf)
-            if f.mdigest != (env.payload_digest if f.momentum else None) or (not f.momentum and len(rest)):
+            if not f.names_its_momentum(env.payload_digest, len(rest)):
                 raise Malformed("replicate mdigest is not the SHA-256 of its momentum bytes, its payload")
             if self.auditor is not None:
                 kept = self.kept.get(f.p)

@@ -193,6 +193,11 @@ class ReplicateFields:
     # In the normal form the payload is the momentum: `mdigest` is the header's payload digest.
     mdigest: bytes | None = None
 
+    def names_its_momentum(self, payload_digest: bytes, payload_len: int) -> bool:
+        """In the normal form: `mdigest` is the signed payload's digest when there is a momentum, and without
+        one there is neither a digest nor a payload."""
+        return self.mdigest == (payload_digest if self.momentum else None) and (bool(self.momentum) or not payload_len)
+
     def to_fields(self) -> dict[str, Any]:
         return {"p": self.p, "term": self.term, "label": self.label.to_wire(), "full": self.full,
                 "update_len": self.update_len, "momentum": self.momentum, "deltas": list(self.deltas),
