@@ -368,7 +368,7 @@ class FragmentSync:
         `repair`, if it is the same version with other bytes than ours; with `replacing`, if we still hold that
         version of a distrusted publisher: coordinator/distrust.py). `held`: tell `url` the version we hold."""
         # the download lands in the fragment's own anchor while that holds no values yet, else in a new tensor
-        reader = FragmentReader(self.store.numel(p), into=self.store.begin_download(p))
+        reader = FragmentReader(self.store.numel(p), into=self.store.begin_download(p), hash_while_reading=True)
         try:
             path = f"/v1/fragment/{p}" if held is None else f"/v1/fragment/{p}?held={held}"
             await self.client.request("GET", url, path, idempotent=True, retries=0,
@@ -391,9 +391,7 @@ class FragmentSync:
         self.authorize(f, cert.sender, pushed=False)
         leaving = replacing is not None and self.store.label(p) == replacing and f.new != replacing
         self.guard.check_signer(p, f.new, None if leaving else peer_id_of(cert.sender))
-        # SHA-256 releases the GIL: in a thread, downloads of several fragments hash in parallel, and the
-        # event loop keeps receiving meanwhile
-        if await asyncio.to_thread(anchor_digest, reader.anchor) != f.digest:
+        if await reader.digest() != f.digest:  # (hashed on worker threads while it arrived)
             raise DigestMismatch(f"downloaded fragment {p} does not match its certificate")
         if p not in self.store.unset and f.new != self.store.label(p):  # the jump: bounded like an update's
             held, label, _ = self.store.read(p)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from diloco.protocol import canonical
+from diloco.protocol.bulk import RunningDigest
 from diloco.protocol.codecs import Codec
 from diloco.protocol.envelope import frame_limit, join_bytes, register_kind
 from diloco.protocol.errors import Malformed
@@ -358,9 +359,11 @@ class FragmentReader:
     never held twice nor copied; the certificate ends up in `cert`. Checking the anchor against it is the
     caller's."""
 
-    def __init__(self, numel: int, into: torch.Tensor | None = None) -> None:
-        """`into`: a flat fp32 tensor of `numel` elements to write the anchor into (default: a new one)."""
-        self.numel, self.into = numel, into
+    def __init__(self, numel: int, into: torch.Tensor | None = None, hash_while_reading: bool = False) -> None:
+        """`into`: a flat fp32 tensor of `numel` elements to write the anchor into (default: a new one).
+        `hash_while_reading`: the anchor's SHA-256 is computed as its bytes arrive (`digest`; inside an event
+        loop only)."""
+        self.numel, self.into, self.hash_while_reading = numel, into, hash_while_reading
 
     def begin(self, content_length: int) -> None:
         if not 4 + self.numel * 4 <= content_length <= fragment_body_max(self.numel):
@@ -372,6 +375,7 @@ class FragmentReader:
         self.anchor = torch.empty(self.numel, dtype=torch.float32) if self.into is None else self.into
         self._bytes = memoryview(self.anchor.numpy()).cast("B")
         self._pos = 0
+        self._running = RunningDigest(self._bytes) if self.hash_while_reading else None
 
     def buffer(self) -> memoryview:
         if self.cert is None:
@@ -381,6 +385,8 @@ class FragmentReader:
     def advance(self, n: int) -> None:
         if self.cert is not None:
             self._pos += n
+            if self._running is not None:
+                self._running.filled(self._pos)
             return
         self._head_pos += n
         if self._head_pos < len(self._head):
@@ -398,6 +404,13 @@ class FragmentReader:
     def end(self) -> None:
         if self.cert is None or self._pos != len(self._bytes):
             raise Malformed(f"fragment download ended before its {self.numel} elements")
+
+    async def digest(self) -> bytes:
+        """SHA-256 of the anchor's bytes (what its certificate names), on the event loop's worker threads."""
+        if self._running is None:
+            self._running = RunningDigest(self._bytes)
+            self._running.filled(self._pos)
+        return await self._running.digest()
 
 
 @dataclass(frozen=True)

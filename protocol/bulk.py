@@ -15,6 +15,7 @@ with a `sink`) sets the deadline.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ssl
 from collections.abc import Callable
 from typing import Protocol, cast
@@ -40,6 +41,45 @@ class BodySink(Protocol):
     def advance(self, n: int) -> None: ...
 
     def end(self) -> None: ...
+
+
+class RunningDigest:
+    """SHA-256 of a body while it arrives: the bytes the socket has written are hashed on the loop's worker
+    threads (hashlib releases the GIL) while the rest is still coming, so a download is checked a few
+    milliseconds after its last byte instead of a whole hash later. A joiner's fragments arrive together and
+    were hashed together at the end: ~55 ms of one core for 100 MB. Call `filled(n)` from the event loop as
+    bytes [0, n) of `data` become final, then `await digest()` once the body is whole."""
+
+    STEP = 2 << 20  # bytes per hand-over to a worker: its cost (~50 us) is small against hashing them (~1 ms)
+
+    def __init__(self, data: memoryview) -> None:
+        self._data = data if data.format == "B" else data.cast("B")
+        self._hash = hashlib.sha256()
+        self._hashed = self._filled = 0
+        self._job: asyncio.Future[None] | None = None
+
+    def filled(self, n: int) -> None:
+        """Bytes [0, n) of the data are final (n never goes back)."""
+        self._filled = n
+        if n - self._hashed >= self.STEP and (self._job is None or self._job.done()):
+            self._job = asyncio.get_running_loop().run_in_executor(None, self._catch_up)
+
+    def _catch_up(self) -> None:
+        # On a worker thread, one job at a time. What is filled while it ends waits for the next `filled`
+        # or for `digest`, which hashes the rest.
+        while (end := self._filled) - self._hashed >= self.STEP:
+            self._hash.update(self._data[self._hashed : end])
+            self._hashed = end
+
+    async def digest(self) -> bytes:
+        """The SHA-256 of the bytes filled, once the job in flight and the rest are hashed."""
+        if self._job is not None:
+            await self._job
+        if self._hashed < self._filled:
+            rest = self._data[self._hashed : self._filled]
+            await asyncio.get_running_loop().run_in_executor(None, self._hash.update, rest)
+            self._hashed = self._filled
+        return self._hash.digest()
 
 
 def _decimal(text: str, max_digits: int = 19) -> bool:

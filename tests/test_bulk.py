@@ -1,14 +1,18 @@
 """Bulk GETs read straight into a sink (`protocol/bulk.py`), against aiohttp servers and scripted raw peers."""
 
 import asyncio
+import hashlib
 import os
 
 import pytest
+import torch
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco.protocol.bulk import MAX_HEAD, parse_head
+from diloco.coordinator.fragments import anchor_digest
+from diloco.coordinator.wire import FragmentReader, pack_fragment
+from diloco.protocol.bulk import MAX_HEAD, RunningDigest, get_into, parse_head
 from diloco.protocol.deadlines import DeadlinePolicy
 from diloco.protocol.errors import Malformed
 from diloco.protocol.transport import (
@@ -213,3 +217,50 @@ async def test_every_bulk_answer_counts_one_connection_and_a_refused_one_none(se
         assert client.counters.connections_opened == 3
         assert await client.request("GET", server.url, "/v1/big") == BIG  # pooled: aiohttp's own connection
         assert client.counters.connections_opened == 4
+
+
+@given(cuts=st.lists(st.integers(0, len(BIG)), max_size=12), step=st.sampled_from([1, 4096, 1 << 20, 1 << 30]))
+@settings(max_examples=40, deadline=None)
+def test_a_running_digest_is_the_sha256_of_the_bytes_filled_however_they_arrive(cuts, step):
+    async def run() -> bytes:
+        data = bytearray(len(BIG))
+        digest = RunningDigest(memoryview(data))
+        digest.STEP = step  # (from one job per read to none before the end)
+        for n in [*sorted(cuts), len(BIG)]:
+            data[:n] = BIG[:n]  # (the socket writes front to back: bytes below n are final)
+            digest.filled(n)
+            await asyncio.sleep(0)
+        return await digest.digest()
+
+    assert asyncio.run(run()) == hashlib.sha256(BIG).digest()
+
+
+async def test_an_empty_running_digest_is_the_sha256_of_nothing():
+    assert await RunningDigest(memoryview(b"")).digest() == hashlib.sha256(b"").digest()
+
+
+async def test_a_fragment_read_while_hashed_has_the_digest_of_its_anchor():
+    numel, cert = (3 << 20) + 5, b"a certificate"
+    anchor = torch.randn(numel)
+    head, data = pack_fragment(cert, anchor.numpy().data.cast("B"))
+    body = bytes(head) + bytes(data)
+    srv = PeerServer()
+
+    async def fragment(request):
+        resp = web.StreamResponse()
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        for i in range(0, len(body), 1 << 19):
+            await resp.write(body[i : i + (1 << 19)])
+        return resp
+
+    srv.add_route("GET", "/v1/f", fragment)
+    await srv.start()
+    try:
+        for hashing in (True, False):
+            reader = FragmentReader(numel, hash_while_reading=hashing)
+            await get_into(srv.url, "/v1/f", reader, len(body))
+            assert reader.cert == cert and torch.equal(reader.anchor, anchor)
+            assert await reader.digest() == anchor_digest(anchor)
+    finally:
+        await srv.stop()
