@@ -10,6 +10,7 @@ import torch
 
 from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.shard import Shard
+from diloco.coordinator.sync import FragmentSync
 from diloco.coordinator.version import Version
 from diloco.coordinator.wire import FragRecord, UpdateFields
 from diloco.node import swarm as swarm_mod
@@ -126,6 +127,49 @@ def test_a_joiner_starts_without_waiting_for_its_dht_self_lookup_which_runs_once
     starting.join(60)
     assert started, "start() waited for the DHT self-lookup (nothing the join needs)"
     wait_until(lambda: late.learner.swarm.dht in looked_up, 10, "the self-lookup, after the join")
+    late.train(1)
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_copies_each_synced_fragment_into_its_model_while_the_others_still_download(fleet, monkeypatch):
+    genesis = tiny_run()
+    learners = fleet(genesis, 2)
+    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 2 for ll in learners), 20, "2 live members")
+    for _ in range(2):
+        for ll in learners:
+            ll.train(10)
+    wait_until(lambda: all(v.version > 0 for v in learners[0].learner.labels), 30, "a version of every fragment")
+    release = threading.Event()
+    from_owner = FragmentSync._from_owner
+
+    async def held(sync: FragmentSync, p: int) -> bool:
+        if p == 0:  # fragment 0's sync (a download, or a build from Θ^(0) and the kept updates) waits
+            while not release.is_set():
+                await asyncio.sleep(0.02)
+        return await from_owner(sync, p)
+
+    monkeypatch.setattr(FragmentSync, "_from_owner", held)
+    late = LocalLearner(genesis, 2, peers=[learners[0].url])
+    learners.append(late)  # (closed by the fixture)
+    starting = threading.Thread(target=late.start, daemon=True)
+    starting.start()
+    learner = late.learner
+
+    def in_model(p: int) -> bool:
+        store = learner.swarm.store if learner.swarm is not None else None
+        if store is None or store.label(p).version == 0:
+            return False
+        anchor, _, _ = store.read(p)
+        return torch.equal(learner.plan.flatten(p, learner.params), anchor)
+
+    try:
+        wait_until(lambda: in_model(1), 30, "fragment 1 in the model while fragment 0 still downloads")
+        assert starting.is_alive() and not in_model(0)
+    finally:
+        release.set()
+    starting.join(60)
+    assert not starting.is_alive()
+    assert all(in_model(p) for p in range(genesis.spec.fragments))
     late.train(1)
 
 
