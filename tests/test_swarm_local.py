@@ -102,6 +102,20 @@ def test_a_learner_built_from_another_seed_is_refused_while_its_values_would_be_
         joined.close()
 
 
+async def _released(release: threading.Event) -> None:
+    while not release.is_set():
+        await asyncio.sleep(0.02)
+
+
+def _start_late(genesis, learners: list[LocalLearner]) -> tuple[LocalLearner, threading.Thread]:
+    """A third learner joining through the first, its `start` on a thread of its own (closed by the fixture)."""
+    late = LocalLearner(genesis, 2, peers=[learners[0].url])
+    learners.append(late)
+    starting = threading.Thread(target=late.start, daemon=True)
+    starting.start()
+    return late, starting
+
+
 @pytest.mark.timeout(120)
 def test_a_joiner_starts_without_waiting_for_its_dht_self_lookup_which_runs_once_it_has_joined(fleet, monkeypatch):
     genesis = tiny_run()
@@ -111,16 +125,12 @@ def test_a_joiner_starts_without_waiting_for_its_dht_self_lookup_which_runs_once
 
     async def held(node: DHTNode, target: int):
         if target == node.identity.node_id:  # the self-lookup, held until released
-            while not release.is_set():
-                await asyncio.sleep(0.02)
+            await _released(release)
             looked_up.append(node)
         return await lookup(node, target)
 
     monkeypatch.setattr(DHTNode, "find_node", held)
-    late = LocalLearner(genesis, 2, peers=[learners[0].url])
-    learners.append(late)  # (closed by the fixture)
-    starting = threading.Thread(target=late.start, daemon=True)
-    starting.start()
+    late, starting = _start_late(genesis, learners)
     starting.join(30)
     started = not starting.is_alive()
     release.set()
@@ -133,26 +143,17 @@ def test_a_joiner_starts_without_waiting_for_its_dht_self_lookup_which_runs_once
 @pytest.mark.timeout(120)
 def test_a_joiner_copies_each_synced_fragment_into_its_model_while_the_others_still_download(fleet, monkeypatch):
     genesis = tiny_run()
-    learners = fleet(genesis, 2)
-    wait_until(lambda: all(len(ll.learner.swarm.members.live()) == 2 for ll in learners), 20, "2 live members")
-    for _ in range(2):
-        for ll in learners:
-            ll.train(10)
-    wait_until(lambda: all(v.version > 0 for v in learners[0].learner.labels), 30, "a version of every fragment")
+    learners = two_versions_in(fleet, genesis, 2)
     release = threading.Event()
     from_owner = FragmentSync._from_owner
 
     async def held(sync: FragmentSync, p: int) -> bool:
         if p == 0:  # fragment 0's sync (a download, or a build from Θ^(0) and the kept updates) waits
-            while not release.is_set():
-                await asyncio.sleep(0.02)
+            await _released(release)
         return await from_owner(sync, p)
 
     monkeypatch.setattr(FragmentSync, "_from_owner", held)
-    late = LocalLearner(genesis, 2, peers=[learners[0].url])
-    learners.append(late)  # (closed by the fixture)
-    starting = threading.Thread(target=late.start, daemon=True)
-    starting.start()
+    late, starting = _start_late(genesis, learners)
     learner = late.learner
 
     def in_model(p: int) -> bool:
