@@ -238,9 +238,7 @@ class Learner:
             # (a fragment whose owner keeps every update since 0.0 is built from our Θ^(0) and those: the model
             # is read by the swarm's threads only while `start` waits for the join, before any step)
             self.swarm.genesis = lambda p, out: self.plan.flatten(p, self.params, out=out)
-        # each fragment goes into the model as soon as it is synced, while the others still download (the
-        # swarm's threads read θ only for fragments not synced yet: Θ^(0) of those nobody holds)
-        self.swarm.start(while_joining=self._apply_new_versions)
+        self.swarm.start()
         self._apply_new_versions()
         self.swarm.offer_ownership()
         if self.spec.synchronous:

@@ -55,7 +55,6 @@ KNOWN_URLS_KEPT = 32  # member URLs remembered (most recently seen first): saved
 
 
 TRIM_EVERY_S = 20.0
-JOIN_POLL_S = 0.003  # how often `start(while_joining=...)` calls back while the join runs
 POOL_KEEP = 4  # idle fragment-sized work buffers kept for reuse (see coordinator.buffers)
 WITHDRAW_S = 2.0  # a stopping peer marks its member record `left` within this long, or leaves it to expire
 MERGE_WAIT_SHARE = 0.5  # of a drain's time, at most spent waiting for owners to merge this learner's deltas
@@ -164,19 +163,13 @@ class Swarm:
 
     # -- training-thread API --------------------------------------------------------------------------------
 
-    def start(self, while_joining: Callable[[], object] | None = None) -> None:
-        """Join the run and sync every fragment; returns once training may begin. Raises `JoinError`.
-        `while_joining`: called on this thread every few milliseconds until then (a learner copies the
-        fragments already synced into its model while the others still download)."""
+    def start(self) -> None:
+        """Join the run and sync every fragment; returns once training may begin. Raises `JoinError`."""
         return_large_buffers_to_os()
         self._thread = threading.Thread(target=self._thread_main, name="diloco-swarm", daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + self.config.join_timeout_s + 30
-        while not self._ready.wait(JOIN_POLL_S if while_joining else deadline - time.monotonic()):
-            if time.monotonic() >= deadline:
-                raise JoinError(f"joining took longer than {self.config.join_timeout_s:.0f}s")
-            if while_joining is not None and self._error is None:
-                while_joining()
+        if not self._ready.wait(self.config.join_timeout_s + 30):
+            raise JoinError(f"joining took longer than {self.config.join_timeout_s:.0f}s")
         if self._error is not None:
             raise self._error
 

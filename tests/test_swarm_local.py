@@ -10,7 +10,6 @@ import torch
 
 from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.shard import Shard
-from diloco.coordinator.sync import FragmentSync
 from diloco.coordinator.version import Version
 from diloco.coordinator.wire import FragRecord, UpdateFields
 from diloco.node import swarm as swarm_mod
@@ -102,20 +101,6 @@ def test_a_learner_built_from_another_seed_is_refused_while_its_values_would_be_
         joined.close()
 
 
-async def _released(release: threading.Event) -> None:
-    while not release.is_set():
-        await asyncio.sleep(0.02)
-
-
-def _start_late(genesis, learners: list[LocalLearner]) -> tuple[LocalLearner, threading.Thread]:
-    """A third learner joining through the first, its `start` on a thread of its own (closed by the fixture)."""
-    late = LocalLearner(genesis, 2, peers=[learners[0].url])
-    learners.append(late)
-    starting = threading.Thread(target=late.start, daemon=True)
-    starting.start()
-    return late, starting
-
-
 @pytest.mark.timeout(120)
 def test_a_joiner_starts_without_waiting_for_its_dht_self_lookup_which_runs_once_it_has_joined(fleet, monkeypatch):
     genesis = tiny_run()
@@ -125,52 +110,22 @@ def test_a_joiner_starts_without_waiting_for_its_dht_self_lookup_which_runs_once
 
     async def held(node: DHTNode, target: int):
         if target == node.identity.node_id:  # the self-lookup, held until released
-            await _released(release)
+            while not release.is_set():
+                await asyncio.sleep(0.02)
             looked_up.append(node)
         return await lookup(node, target)
 
     monkeypatch.setattr(DHTNode, "find_node", held)
-    late, starting = _start_late(genesis, learners)
+    late = LocalLearner(genesis, 2, peers=[learners[0].url])
+    learners.append(late)  # (closed by the fixture)
+    starting = threading.Thread(target=late.start, daemon=True)
+    starting.start()
     starting.join(30)
     started = not starting.is_alive()
     release.set()
     starting.join(60)
     assert started, "start() waited for the DHT self-lookup (nothing the join needs)"
     wait_until(lambda: late.learner.swarm.dht in looked_up, 10, "the self-lookup, after the join")
-    late.train(1)
-
-
-@pytest.mark.timeout(120)
-def test_a_joiner_copies_each_synced_fragment_into_its_model_while_the_others_still_download(fleet, monkeypatch):
-    genesis = tiny_run()
-    learners = two_versions_in(fleet, genesis, 2)
-    release = threading.Event()
-    from_owner = FragmentSync._from_owner
-
-    async def held(sync: FragmentSync, p: int) -> bool:
-        if p == 0:  # fragment 0's sync (a download, or a build from Θ^(0) and the kept updates) waits
-            await _released(release)
-        return await from_owner(sync, p)
-
-    monkeypatch.setattr(FragmentSync, "_from_owner", held)
-    late, starting = _start_late(genesis, learners)
-    learner = late.learner
-
-    def in_model(p: int) -> bool:
-        store = learner.swarm.store if learner.swarm is not None else None
-        if store is None or store.label(p).version == 0:
-            return False
-        anchor, _, _ = store.read(p)
-        return torch.equal(learner.plan.flatten(p, learner.params), anchor)
-
-    try:
-        wait_until(lambda: in_model(1), 30, "fragment 1 in the model while fragment 0 still downloads")
-        assert starting.is_alive() and not in_model(0)
-    finally:
-        release.set()
-    starting.join(60)
-    assert not starting.is_alive()
-    assert all(in_model(p) for p in range(genesis.spec.fragments))
     late.train(1)
 
 
