@@ -12,7 +12,6 @@ critical section as the anchor change; the learner applies it at its next step b
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -346,8 +345,3 @@ class FragmentStore:
 
 def _plain_fp32(t: Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad and t.device.type == "cpu"
-
-
-def anchor_digest(anchor: Tensor) -> bytes:
-    """SHA-256 of a fragment's fp32 little-endian bytes: what an update certifies and a download is checked against."""
-    return hashlib.sha256(anchor.detach().contiguous().view(torch.uint8).numpy()).digest()

@@ -30,7 +30,7 @@ from diloco.protocol.transport import PeerClient, PeerServer, PeerUnreachable, R
 from .audit import AuditFailed, Auditor
 from .authority import Unauthorized, check_replication
 from .buffers import BufferPool
-from .fragments import DigestMismatch, Encoded, FragmentStore, anchor_digest
+from .fragments import DigestMismatch, Encoded, FragmentStore
 from .membership import Membership
 from .runspec import RunSpec
 from .send import STATEFUL_POST_FLOOR_S
@@ -43,6 +43,7 @@ from .wire import (
     ROUTE_REPLICATE,
     ReplicateFields,
     UpdateFields,
+    anchor_digest,
     momentum_digest,
     pack_momentum,
     path_fragment,

@@ -51,7 +51,7 @@ class RunSpec:
     membership: str = "open"
     allowlist: tuple[bytes, ...] = ()  # raw Ed25519 public keys, for membership "allowlist"
     plan_digest: bytes = b""
-    genesis_digest: bytes = b""  # SHA-256 over every fragment's Θ^(0) digest (learner.genesis_digest)
+    genesis_digest: bytes = b""  # SHA-256 over every fragment's Θ^(0) anchor digest (learner.genesis_digest)
     creator: bytes = b""  # the creator's raw public key
     created_ms: int = 0
 

@@ -30,7 +30,7 @@ from .audit import Auditor
 from .authority import next_term
 from .buffers import BufferPool
 from .drain import OwnerDrain, ShardDrain
-from .fragments import Encoded, FragmentStore, anchor_digest
+from .fragments import Encoded, FragmentStore
 from .membership import Membership
 from .outer import OuterOptimizer
 from .owner import FragmentOwner, OwnerSettings, PendingDelta, Publication
@@ -50,6 +50,7 @@ from .wire import (
     DeltaFields,
     FragRecord,
     UpdateFields,
+    anchor_digest,
     frag_key,
     tensor_payload_max,
 )

@@ -30,7 +30,7 @@ from .audit import UpdateGuard
 from .authority import Unauthorized, check_update
 from .buffers import BufferPool
 from .distrust import Distrust
-from .fragments import KEEP_UPDATES, DigestMismatch, Encoded, FragmentStore, anchor_digest
+from .fragments import KEEP_UPDATES, DigestMismatch, Encoded, FragmentStore
 from .membership import Membership
 from .runspec import RunSpec
 from .send import DeltaSender
@@ -44,6 +44,7 @@ from .wire import (
     FragmentReader,
     FragRecord,
     UpdateFields,
+    anchor_digest,
     frag_key,
     fragment_body_max,
     pack_fragment,

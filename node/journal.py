@@ -43,10 +43,10 @@ from pathlib import Path
 
 import torch
 
-from diloco.coordinator.fragments import Encoded, anchor_digest
+from diloco.coordinator.fragments import Encoded
 from diloco.coordinator.runspec import RunSpec
 from diloco.coordinator.version import Version
-from diloco.coordinator.wire import UPDATE, UpdateFields
+from diloco.coordinator.wire import UPDATE, UpdateFields, anchor_digest
 from diloco.protocol.codecs import get_codec
 from diloco.protocol.envelope import EnvelopeVerifier
 from diloco.protocol.errors import ProtocolError

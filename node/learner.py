@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.plan import FragmentPlan
 from diloco.coordinator.runspec import Genesis, RunSpec, codec_defaults
 from diloco.coordinator.version import GENESIS, Version
+from diloco.coordinator.wire import anchor_digest
 from diloco.protocol.codecs import load_kernels
 from diloco.protocol.identity import Identity
 
@@ -107,11 +107,16 @@ class Attached:
         self.remove()
 
 
-def _digest_of(fragments: list[torch.Tensor]) -> bytes:
+def _digest_of(fragments: list[torch.Tensor], anchor: Callable[[torch.Tensor], bytes] = anchor_digest) -> bytes:
     h = hashlib.sha256()
     for f in fragments:
-        h.update(anchor_digest(f))
+        h.update(anchor(f))
     return h.digest()
+
+
+def _sha256_anchor(fragment: torch.Tensor) -> bytes:
+    """The anchor digest of the RunSpecs made before it became BLAKE3 (docs/protocol.md §7.3), only to say so."""
+    return hashlib.sha256(fragment.detach().contiguous().view(torch.uint8).numpy()).digest()
 
 
 def create_run(creator: Identity, name: str, network: torch.nn.Module, **fields) -> Genesis:
@@ -262,9 +267,14 @@ class Learner:
             store.fill(p, values[p])
 
     def _check_genesis(self, anchors: list[torch.Tensor]) -> None:
-        if _digest_of(anchors) != self.spec.genesis_digest:
-            raise RunMismatch("this model's initial parameters differ from the run's; build it with the "
-                              f"run's seed ({self.spec.seed}) and task ({self.spec.task})")
+        if _digest_of(anchors) == self.spec.genesis_digest:
+            return
+        if _digest_of(anchors, _sha256_anchor) == self.spec.genesis_digest:
+            raise RunMismatch("this RunSpec was made by an older diloco-node, whose anchor digests were SHA-256 "
+                              "(docs/protocol.md §7.3): its peers and this one cannot check each other's "
+                              "fragments; make the run again with `diloco-node init-run`")
+        raise RunMismatch("this model's initial parameters differ from the run's; build it with the "
+                          f"run's seed ({self.spec.seed}) and task ({self.spec.task})")
 
     def _rendezvous(self) -> None:
         """Synchronous runs start like data parallel: once every learner of the quorum is in the swarm (a delta

@@ -15,7 +15,6 @@ with a `sink`) sets the deadline.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import ssl
 from collections.abc import Callable
 from typing import Protocol, cast
@@ -43,18 +42,26 @@ class BodySink(Protocol):
     def end(self) -> None: ...
 
 
+class Hasher(Protocol):
+    """What `RunningDigest` feeds: `hashlib`'s objects and `blake3.blake3` alike (both release the GIL)."""
+
+    def update(self, data: memoryview, /) -> object: ...
+
+    def digest(self) -> bytes: ...
+
+
 class RunningDigest:
-    """SHA-256 of a body while it arrives: the bytes the socket has written are hashed on the loop's worker
-    threads (hashlib releases the GIL) while the rest is still coming, so a download is checked a few
-    milliseconds after its last byte instead of a whole hash later. A joiner's fragments arrive together and
-    were hashed together at the end: ~55 ms of one core for 100 MB. Call `filled(n)` from the event loop as
-    bytes [0, n) of `data` become final, then `await digest()` once the body is whole."""
+    """A digest of a body while it arrives: the bytes the socket has written are hashed on the loop's worker
+    threads while the rest is still coming, so a download is checked a few milliseconds after its last byte
+    instead of a whole hash later. A joiner's fragments arrive together and were hashed together at the end:
+    ~55 ms of one core for 100 MB with SHA-256. Call `filled(n)` from the event loop as bytes [0, n) of `data`
+    become final, then `await digest()` once the body is whole. `hasher`: a fresh one (`update`, `digest`)."""
 
     STEP = 2 << 20  # bytes per hand-over to a worker: its cost (~50 us) is small against hashing them (~1 ms)
 
-    def __init__(self, data: memoryview) -> None:
+    def __init__(self, data: memoryview, hasher: Hasher) -> None:
         self._data = data if data.format == "B" else data.cast("B")
-        self._hash = hashlib.sha256()
+        self._hash = hasher
         self._hashed = self._filled = 0
         self._job: asyncio.Future[None] | None = None
 
@@ -72,7 +79,7 @@ class RunningDigest:
             self._hashed = end
 
     async def digest(self) -> bytes:
-        """The SHA-256 of the bytes filled, once the job in flight and the rest are hashed."""
+        """The digest of the bytes filled, once the job in flight and the rest are hashed."""
         if self._job is not None:
             await self._job
         if self._hashed < self._filled:

@@ -31,7 +31,6 @@ from types import SimpleNamespace
 import torch
 
 from diloco.coordinator.authority import TERM_MAX, TERM_SLOTS, next_term, term_slot
-from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.ownership import owners
 from diloco.coordinator.runspec import Genesis
 from diloco.coordinator.version import Version
@@ -45,6 +44,7 @@ from diloco.coordinator.wire import (
     DeltaFields,
     ReplicateFields,
     UpdateFields,
+    anchor_digest,
 )
 from diloco.protocol.codecs import get_codec
 from diloco.protocol.envelope import join_bytes, seal

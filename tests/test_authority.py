@@ -19,7 +19,6 @@ from diloco.coordinator.authority import (
     next_term,
     term_slot,
 )
-from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.version import Version
 from diloco.coordinator.wire import (
     REPLICATE,
@@ -28,6 +27,7 @@ from diloco.coordinator.wire import (
     UPDATE,
     ReplicateFields,
     UpdateFields,
+    anchor_digest,
     momentum_digest,
 )
 from diloco.protocol.codecs import get_codec

@@ -4,14 +4,14 @@ import asyncio
 import hashlib
 import os
 
+import blake3
 import pytest
 import torch
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco.coordinator.fragments import anchor_digest
-from diloco.coordinator.wire import FragmentReader, pack_fragment
+from diloco.coordinator.wire import FragmentReader, anchor_digest, pack_fragment
 from diloco.protocol.bulk import MAX_HEAD, RunningDigest, get_into, parse_head
 from diloco.protocol.deadlines import DeadlinePolicy
 from diloco.protocol.errors import Malformed
@@ -221,10 +221,10 @@ async def test_every_bulk_answer_counts_one_connection_and_a_refused_one_none(se
 
 @given(cuts=st.lists(st.integers(0, len(BIG)), max_size=12), step=st.sampled_from([1, 4096, 1 << 20, 1 << 30]))
 @settings(max_examples=40, deadline=None)
-def test_a_running_digest_is_the_sha256_of_the_bytes_filled_however_they_arrive(cuts, step):
+def test_a_running_digest_is_that_of_the_bytes_filled_however_they_arrive(cuts, step):
     async def run() -> bytes:
         data = bytearray(len(BIG))
-        digest = RunningDigest(memoryview(data))
+        digest = RunningDigest(memoryview(data), hashlib.sha256())
         digest.STEP = step  # (from one job per read to none before the end)
         for n in [*sorted(cuts), len(BIG)]:
             data[:n] = BIG[:n]  # (the socket writes front to back: bytes below n are final)
@@ -235,8 +235,8 @@ def test_a_running_digest_is_the_sha256_of_the_bytes_filled_however_they_arrive(
     assert asyncio.run(run()) == hashlib.sha256(BIG).digest()
 
 
-async def test_an_empty_running_digest_is_the_sha256_of_nothing():
-    assert await RunningDigest(memoryview(b"")).digest() == hashlib.sha256(b"").digest()
+async def test_an_empty_running_digest_is_the_digest_of_nothing():
+    assert await RunningDigest(memoryview(b""), blake3.blake3()).digest() == blake3.blake3(b"").digest()
 
 
 async def test_a_fragment_read_while_hashed_has_the_digest_of_its_anchor():

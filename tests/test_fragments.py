@@ -1,12 +1,14 @@
 import dataclasses
 
+import blake3
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco.coordinator.fragments import KEEP_UPDATES, FragmentStore, anchor_digest
+from diloco.coordinator.fragments import KEEP_UPDATES, FragmentStore
 from diloco.coordinator.version import GENESIS, Version
+from diloco.coordinator.wire import anchor_digest
 from diloco.protocol.errors import StaleVersion
 
 from .helpers import feed
@@ -248,6 +250,14 @@ def test_any_bytes_in_any_pieces_either_read_as_the_fragment_sent_or_are_refused
     assert reader.anchor.numel() == numel and len(reader.cert) + 4 + 4 * numel == len(body)
     if honest:
         assert reader.cert == junk[:40] and torch.equal(reader.anchor, values)
+
+
+def test_the_anchor_digest_is_blake3_of_the_fp32_bytes_as_the_protocol_example():
+    values = torch.tensor([1.0, -0.5, 0.0])  # docs/protocol.md §7.3
+    assert values.numpy().tobytes() == bytes.fromhex("0000803f000000bf00000000")
+    assert anchor_digest(values) == bytes.fromhex("8a024c7114f6aa8cc7dc9a1a8d3e93b43c9936b45e009127b1ad08a5f48c7580")
+    assert anchor_digest(values) == blake3.blake3(values.numpy().tobytes()).digest()
+    assert anchor_digest(torch.arange(6.0).view(2, 3).t()) == anchor_digest(torch.tensor([0.0, 3, 1, 4, 2, 5]))
 
 
 def test_member_record_encodes_as_the_protocol_example_and_refuses_a_wrong_shape():

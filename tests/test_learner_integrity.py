@@ -131,10 +131,10 @@ def _slowest_step_s(learners: list[LocalLearner], steps: int) -> float:
 
 @pytest.mark.timeout(120)
 def test_no_step_waits_while_a_holder_hashes_an_update(pair, monkeypatch):
-    from diloco.coordinator import fragments, sync
+    from diloco.coordinator import replication, shard, sync, wire
 
     learners = pair()
-    real = fragments.anchor_digest
+    real = wire.anchor_digest
     armed, inside, release = threading.Event(), threading.Event(), threading.Event()
 
     def slow_digest(anchor):  # a hash that takes 8 s (a huge fragment), wherever a holder checks one
@@ -143,8 +143,8 @@ def test_no_step_waits_while_a_holder_hashes_an_update(pair, monkeypatch):
             release.wait(8)
         return real(anchor)
 
-    monkeypatch.setattr(sync, "anchor_digest", slow_digest)
-    monkeypatch.setattr(fragments, "anchor_digest", slow_digest)
+    for module in (sync, replication, shard):
+        monkeypatch.setattr(module, "anchor_digest", slow_digest)
     _slowest_step_s(learners, 10)
     armed.set()
     try:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.version import Version
+from diloco.coordinator.wire import anchor_digest
 from diloco.node.checkpoint import load_latest
 from diloco.node.journal import (
     FRAGMENT_RECORD,

@@ -4,8 +4,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.runspec import SPARSE_DEFAULTS, Genesis, RunSpec, codec_defaults
+from diloco.coordinator.wire import anchor_digest
 from diloco.node.cli import main
 from diloco.protocol.codecs import get_codec
 from diloco.protocol.errors import Malformed

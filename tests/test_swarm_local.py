@@ -8,10 +8,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from diloco.coordinator.fragments import anchor_digest
 from diloco.coordinator.shard import Shard
 from diloco.coordinator.version import Version
-from diloco.coordinator.wire import FragRecord, UpdateFields
+from diloco.coordinator.wire import FragRecord, UpdateFields, anchor_digest
 from diloco.node import swarm as swarm_mod
 from diloco.protocol.dht.node import DHTNode
 
@@ -66,6 +65,26 @@ def test_learners_and_owners_hold_bit_identical_fragments(fleet):
         assert len(digests) == 1, f"fragment {p} differs between learners"
     owners = sum(len(ll.learner.swarm.shard.owners) for ll in learners)
     assert owners == P, "every fragment has exactly one owner"
+
+
+def test_a_spec_whose_genesis_digest_was_made_with_sha256_anchor_digests_is_refused_saying_so():
+    import dataclasses
+
+    from diloco.coordinator.plan import FragmentPlan
+    from diloco.coordinator.runspec import Genesis
+    from diloco.node import learner as learner_mod
+    from diloco.protocol.identity import Identity
+
+    creator, genesis = Identity.generate(), tiny_run()
+    local = LocalLearner(genesis, 0)
+    params = dict(local.model.named_parameters())
+    plan = FragmentPlan.from_module(local.model, genesis.spec.fragments)
+    fragments = [plan.flatten(p, params) for p in range(genesis.spec.fragments)]
+    old = learner_mod._digest_of(fragments, learner_mod._sha256_anchor)  # the digest an older init-run wrote
+    assert old != learner_mod._digest_of(fragments) == genesis.spec.genesis_digest
+    spec = dataclasses.replace(genesis.spec, genesis_digest=old)
+    with pytest.raises(learner_mod.RunMismatch, match="older diloco-node"):
+        learner_mod.Learner(local.model, local.opt, Genesis.create(creator, spec), config=fast_config()).start()
 
 
 @pytest.mark.timeout(120)
