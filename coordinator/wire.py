@@ -351,10 +351,15 @@ def anchor_hash() -> blake3.blake3:
     return blake3.blake3()
 
 
+def anchor_bytes(anchor: torch.Tensor) -> memoryview:
+    """A fragment's fp32 little-endian bytes (a view where the tensor is contiguous): what is hashed, sent and
+    journaled."""
+    return anchor.detach().contiguous().view(torch.uint8).numpy().data
+
+
 def anchor_digest(anchor: torch.Tensor) -> bytes:
-    """The anchor digest of a fragment's fp32 little-endian bytes: what an update certifies and a download is
-    checked against."""
-    return anchor_hash().update(anchor.detach().contiguous().view(torch.uint8).numpy()).digest()
+    """The anchor digest of a fragment's fp32 bytes: what an update certifies and a download is checked against."""
+    return anchor_hash().update(anchor_bytes(anchor)).digest()
 
 
 def fragment_body_max(numel: int) -> int:

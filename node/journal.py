@@ -46,7 +46,7 @@ import torch
 from diloco.coordinator.fragments import Encoded
 from diloco.coordinator.runspec import RunSpec
 from diloco.coordinator.version import Version
-from diloco.coordinator.wire import UPDATE, UpdateFields, anchor_digest
+from diloco.coordinator.wire import UPDATE, UpdateFields, anchor_bytes, anchor_digest
 from diloco.protocol.codecs import get_codec
 from diloco.protocol.envelope import EnvelopeVerifier
 from diloco.protocol.errors import ProtocolError
@@ -84,8 +84,7 @@ class Journal:
 
     def fragment(self, cert: bytes, anchor: torch.Tensor) -> None:
         """A fragment installed whole (a download, a full replication): its certificate and fp32 anchor."""
-        data = anchor.detach().contiguous().view(torch.uint8).numpy().data
-        self._append(FRAGMENT_RECORD, [struct.pack(">I", len(cert)), cert, data])
+        self._append(FRAGMENT_RECORD, [struct.pack(">I", len(cert)), cert, anchor_bytes(anchor)])
 
     def momentum(self, p: int, label: Version, momentum: Encoded) -> None:
         """The momentum of version `label` of p that this replica keeps (`Replication._on_replicate`)."""

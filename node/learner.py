@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from diloco.coordinator.plan import FragmentPlan
 from diloco.coordinator.runspec import Genesis, RunSpec, codec_defaults
 from diloco.coordinator.version import GENESIS, Version
-from diloco.coordinator.wire import anchor_digest
+from diloco.coordinator.wire import anchor_bytes, anchor_digest
 from diloco.protocol.codecs import load_kernels
 from diloco.protocol.identity import Identity
 
@@ -116,7 +116,7 @@ def _digest_of(fragments: list[torch.Tensor], anchor: Callable[[torch.Tensor], b
 
 def _sha256_anchor(fragment: torch.Tensor) -> bytes:
     """The anchor digest of the RunSpecs made before it became BLAKE3 (docs/protocol.md §7.3), only to say so."""
-    return hashlib.sha256(fragment.detach().contiguous().view(torch.uint8).numpy()).digest()
+    return hashlib.sha256(anchor_bytes(fragment)).digest()
 
 
 def create_run(creator: Identity, name: str, network: torch.nn.Module, **fields) -> Genesis:
