@@ -10,7 +10,6 @@ peer holds (its fragments' versions, its DHT records) is counted.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import random
 import socket
@@ -28,7 +27,7 @@ from diloco.node.swarm import SwarmConfig
 from diloco.node.train import new_run, task_of
 from diloco.protocol import canonical
 from diloco.protocol.codecs import get_codec
-from diloco.protocol.envelope import DOMAIN, seal
+from diloco.protocol.envelope import DOMAIN, payload_digest_of, seal
 from diloco.protocol.errors import ProtocolError
 from diloco.protocol.identity import Identity
 
@@ -112,7 +111,7 @@ def seal_any(ident: Identity, kind: str, run_id: bytes, fields: Any, payload: by
     """A signed frame like `seal`'s, without its limits (a sender may declare any payload length)."""
     env = seal(ident, kind, run_id, fields, b"")
     h = canonical.unpackb(env.header)
-    h["payload_len"], h["payload_digest"] = len(payload), hashlib.sha256(payload).digest()
+    h["payload_len"], h["payload_digest"] = len(payload), payload_digest_of(payload, h["v"])
     header = canonical.packb(h)
     return struct.pack(">I", len(header)) + header + ident.sign(DOMAIN + header) + payload
 

@@ -2,7 +2,7 @@
 §7.20, docs/security.md "What an owner can do").
 
 A replica that recomputes an update and finds it is not the merge it names (coordinator/audit.py) holds the
-evidence: the owner's signed `replicate` of the update's base (its header names the SHA-256 of the momentum it
+evidence: the owner's signed `replicate` of the update's base (its header names the digest of the momentum it
 carried, `mdigest`), those momentum bytes, and the owner's signed `replicate` of the update itself, with the
 signed delta frames it merged. It sends them to every live member as one `accuse` envelope. A member verifies
 every signature and digest, recomputes the update exactly as the replica did, and, if it does not match either,
@@ -154,7 +154,7 @@ class Accusations:
         rb, rr = ReplicateFields.parse(base.fields, P), ReplicateFields.parse(refused.fields, P)
         if rr.full or rb.p != a.p or rr.p != a.p or rr.label != a.new or rb.term != rr.term:
             raise Malformed("accuse evidence is not two replications of one fragment in one term")
-        if rb.mdigest is None or await asyncio.to_thread(momentum_digest, kept_bytes) != rb.mdigest:
+        if rb.mdigest is None or await asyncio.to_thread(momentum_digest, kept_bytes, base.version) != rb.mdigest:
             raise Malformed("accuse momentum is not the one its base replication names")
         head, frames = split_replicate(rr, refused.trailer)
         moved = memoryview(refused.payload)

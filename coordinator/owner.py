@@ -38,7 +38,7 @@ class PendingDelta:
     tokens: int
     meta: dict
     payload: bytes | memoryview  # the codec bytes as they arrived (not copied)
-    digest: bytes = b""  # SHA-256 of `payload` (the envelope's signed payload digest): named by the update
+    digest: bytes = b""  # the delta envelope's signed payload digest of `payload`: named by the update
     prefix: bytes = b""  # the delta envelope's header and signature: prefix + payload is the signed frame a
     # replica gets to recompute the merge (coordinator/audit.py)
 

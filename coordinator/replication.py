@@ -302,7 +302,7 @@ class Replication:
                 raise Malformed("a replication carries an update of another fragment or version")
             self._check_base(uf)
             if not f.names_its_momentum(env.payload_digest, len(rest)):
-                raise Malformed("replicate mdigest is not the SHA-256 of its momentum bytes, its payload")
+                raise Malformed("replicate mdigest is not the digest of its momentum bytes, its payload")
             if self.auditor is not None:
                 kept = self.kept.get(f.p)
                 try:
@@ -342,8 +342,8 @@ class Replication:
             fp32 = get_codec("fp32")
             momentum = Encoded(fp32, {"codec": "fp32", "shape": [numel]},
                                await asyncio.to_thread(join_bytes, rest[4 * numel :]))
-            if await asyncio.to_thread(momentum_digest, momentum.payload) != f.mdigest:
-                raise Malformed("replicate mdigest is not the SHA-256 of its momentum bytes")
+            if await asyncio.to_thread(momentum_digest, momentum.payload, env.version) != f.mdigest:
+                raise Malformed("replicate mdigest is not the digest of its momentum bytes")
             momentum.decode(numel)  # the fp32 codec refuses non-finite values
         self.kept[f.p] = (f.label, momentum)
         self.restored.pop(f.p, None)

@@ -8,7 +8,6 @@ bytes (`diloco.protocol.codecs`), decoded only by the codec, which checks its ow
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
 from dataclasses import dataclass
@@ -20,7 +19,13 @@ import torch
 from diloco.protocol import canonical
 from diloco.protocol.bulk import RunningDigest
 from diloco.protocol.codecs import Codec
-from diloco.protocol.envelope import frame_limit, join_bytes, register_kind
+from diloco.protocol.envelope import (
+    PROTOCOL_VERSION,
+    frame_limit,
+    join_bytes,
+    payload_digest_of,
+    register_kind,
+)
 from diloco.protocol.errors import Malformed
 
 from .version import Version
@@ -94,7 +99,7 @@ class DeltaFields:
 @dataclass(frozen=True)
 class Merged:
     """One delta an update merged, as the update names it: enough for anyone holding that delta to recompute
-    the merge (coordinator/audit.py): who sent it, the SHA-256 of its codec payload, its counters and its
+    the merge (coordinator/audit.py): who sent it, the payload digest of its codec payload, its counters and its
     staleness (which, with the RunSpec's `max_share`, fix its merge weight)."""
 
     learner: str
@@ -190,9 +195,9 @@ class ReplicateFields:
     update_len: int
     momentum: dict[str, Any] | None
     deltas: tuple[int, ...] = ()  # byte lengths of the merged delta frames in the trailer, after the update
-    # SHA-256 of the momentum's bytes (codec payload, or fp32 in the full form); None: no momentum. Signed in
-    # the header, so the header alone and those bytes prove what the owner replicated (an accusation, §7.20).
-    # In the normal form the payload is the momentum: `mdigest` is the header's payload digest.
+    # digest of the momentum's bytes (`momentum_digest`: codec payload, or fp32 in the full form); None: no
+    # momentum. Signed in the header, so the header alone and those bytes prove what the owner replicated (an
+    # accusation, §7.20). In the normal form the payload is the momentum: `mdigest` is the header's payload digest.
     mdigest: bytes | None = None
 
     def names_its_momentum(self, payload_digest: bytes, payload_len: int) -> bool:
@@ -299,9 +304,11 @@ def replicate_trailer_len(fields: dict[str, Any], P: int) -> int:
     return 0 if f.full else f.update_len + sum(f.deltas)
 
 
-def momentum_digest(data: bytes | memoryview | Any) -> bytes:
-    """`ReplicateFields.mdigest`: SHA-256 of a momentum's bytes (any buffer); called in a worker thread."""
-    return hashlib.sha256(data).digest()
+def momentum_digest(data: bytes | memoryview | Any, version: int = PROTOCOL_VERSION) -> bytes:
+    """`ReplicateFields.mdigest`: the payload digest (of a `version` envelope: BLAKE3 from 2, SHA-256 in 1) of a
+    momentum's bytes (any buffer), so that in the normal form it equals the replicate's `payload_digest`; called in
+    a worker thread."""
+    return payload_digest_of(data, version)
 
 
 def split_replicate(f: ReplicateFields, trailer: memoryview) -> tuple[memoryview, list[memoryview]]:

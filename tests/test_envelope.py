@@ -2,6 +2,7 @@ import asyncio
 import hashlib
 import struct
 
+import blake3
 import msgpack
 import numpy as np
 import pytest
@@ -12,8 +13,10 @@ from diloco.protocol import canonical
 from diloco.protocol.envelope import (
     DOMAIN,
     MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
     EnvelopeVerifier,
     max_frame_size,
+    payload_digest_of,
     register_kind,
     seal,
 )
@@ -208,7 +211,7 @@ def test_a_trailer_the_header_announces_is_read_after_the_frame_unhashed_and_che
     data = env.to_bytes() + b"TRAILER"
     got = body_read(data, len(data))
     assert bytes(got.payload) == b"payload!" and bytes(got.trailer) == b"TRAILER"
-    assert bytes(got.frame()) == env.to_bytes() and got.payload_digest == hashlib.sha256(b"payload!").digest()
+    assert bytes(got.frame()) == env.to_bytes() and got.payload_digest == blake3.blake3(b"payload!").digest()
     opened = EnvelopeVerifier(RUN).open(data, trailing=True)
     assert bytes(opened.payload) == b"payload!" and bytes(opened.trailer) == b"TRAILER"
     with pytest.raises(Malformed):  # (bytes after the payload, where none are expected)
@@ -253,6 +256,38 @@ def test_header_with_missing_or_extra_fields_is_malformed():
         data = struct.pack(">I", len(hb)) + hb + SENDER.sign(DOMAIN + hb)
         with pytest.raises(Malformed):
             EnvelopeVerifier(RUN).open(data)
+
+
+def _resealed(version: int, digest: bytes, payload: bytes, kind: str = "test.small") -> bytes:
+    """A frame of `seal`'s with its header's version and payload digest replaced, signed again."""
+    h = canonical.unpackb(seal(SENDER, kind, RUN, {"p": 1}, payload).header)
+    h["v"], h["payload_digest"] = version, digest
+    hb = canonical.packb(h)
+    return struct.pack(">I", len(hb)) + hb + SENDER.sign(DOMAIN + hb) + payload
+
+
+@pytest.mark.parametrize("chunk", [3, 10_000])
+def test_version_2_digests_payloads_with_blake3_and_version_1_frames_with_sha256_are_still_read(chunk):
+    payload = b"a payload of some length" * 10
+    env = seal(SENDER, "test.small", RUN, {"p": 1}, payload)
+    assert env.version == PROTOCOL_VERSION == 2
+    assert env.payload_digest == blake3.blake3(payload).digest() == payload_digest_of(payload)
+    old = _resealed(1, hashlib.sha256(payload).digest(), payload)  # what a peer of protocol 1 sent and kept
+    for frame_ in (env.to_bytes(), old):
+        assert bytes(EnvelopeVerifier(RUN).open(frame_).payload) == payload
+        assert bytes(read(EnvelopeVerifier(RUN), frame_, size=chunk).payload) == payload
+    assert EnvelopeVerifier(RUN).open(old).version == 1
+    assert payload_digest_of(payload, 1) == hashlib.sha256(payload).digest()
+    # each version's digest is checked with its own hash: the other one's digest does not pass
+    for wrong in (_resealed(1, blake3.blake3(payload).digest(), payload),
+                  _resealed(2, hashlib.sha256(payload).digest(), payload)):
+        with pytest.raises(BadSignature):
+            EnvelopeVerifier(RUN).open(wrong)
+        with pytest.raises(BadSignature):
+            read(EnvelopeVerifier(RUN), wrong, size=chunk)
+    for unknown in (0, 3):
+        with pytest.raises(Malformed, match=f"protocol version {unknown} not supported .*reads 1, 2 and sends 2"):
+            EnvelopeVerifier(RUN).open(_resealed(unknown, blake3.blake3(payload).digest(), payload))
 
 
 def test_canonical_refuses_ext_types_and_trailing_bytes():
@@ -366,3 +401,33 @@ def test_a_repeated_verification_with_a_key_or_signature_of_the_wrong_size_is_ma
     for key, sig in ((bytes(300), bytes(64)), (bytes(32), bytes(65)), (b"", b"")):
         with pytest.raises(Malformed):
             verify_repeated(key, sig, b"message")
+
+
+def test_the_worked_ping_of_the_protocol_document_is_what_this_implementation_sends_and_reads():
+    """docs/protocol.md §5.13, byte for byte: a hostile peer (tests/hostile.py) or another implementation is
+    written from that document."""
+    from unittest import mock
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from diloco.protocol.dht.node import DEFAULT_NETWORK_ID
+    from diloco.protocol.dht.records import NodeInfo
+
+    ident = Identity(Ed25519PrivateKey.from_private_bytes(bytes(range(32))))
+    ts = 1767225600000
+    payload = canonical.packb({"node": NodeInfo.create(ident, "http://127.0.0.1:7000", "local", now_ms=ts).to_wire()})
+    with mock.patch("os.urandom", lambda n: bytes(range(0xA0, 0xA0 + n))):
+        env = seal(ident, "dht", DEFAULT_NETWORK_ID, {"op": "ping"}, payload, now_ms=ts)
+    frame_ = env.to_bytes()
+    assert len(frame_) == 490 and len(env.header) == 220 and len(payload) == 202
+    assert env.payload_digest.hex() == "eee52bf6f6c67916e020f9f52ec9446d40cb5c82a234c8c5d2cc8ee59bab2a4d"
+    assert hashlib.sha256(frame_).hexdigest() == "4525eddf304c74776ff4883a5a067627d3cd06b21842374269d47c04a5817d76"
+    h = canonical.unpackb(env.header)
+    h["v"], h["payload_digest"] = 1, hashlib.sha256(payload).digest()
+    hb = canonical.packb(h)
+    v1 = struct.pack(">I", len(hb)) + hb + ident.sign(DOMAIN + hb) + payload
+    assert hashlib.sha256(v1).hexdigest() == "8ab7697896e975025f1e6fb5be65f7478691fc9236a499b6a2e2b9183bd9cd1d"
+    verifier = EnvelopeVerifier(DEFAULT_NETWORK_ID)
+    with mock.patch("time.time", lambda: ts / 1000):
+        for f in (frame_, v1):
+            assert bytes(verifier.open(f, fresh=False).payload) == payload
