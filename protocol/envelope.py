@@ -71,9 +71,11 @@ def payload_hash(version: int = PROTOCOL_VERSION) -> Any:
 
 
 def payload_digest_of(data: Any, version: int = PROTOCOL_VERSION) -> bytes:
-    """The payload digest of `data` (any buffer) as a `version` envelope's header names it."""
+    """The payload digest of `data` (any C-contiguous buffer: bytes, or a tensor's or an array's memory) as a
+    `version` envelope's header names it."""
+    view = memoryview(data)
     h = payload_hash(version)
-    h.update(data)
+    h.update(view if view.format == "B" and view.ndim == 1 else view.cast("B"))  # (blake3 takes bytes only)
     return h.digest()
 
 

@@ -278,6 +278,9 @@ def test_version_2_digests_payloads_with_blake3_and_version_1_frames_with_sha256
         assert bytes(read(EnvelopeVerifier(RUN), frame_, size=chunk).payload) == payload
     assert EnvelopeVerifier(RUN).open(old).version == 1
     assert payload_digest_of(payload, 1) == hashlib.sha256(payload).digest()
+    fp32 = np.arange(12, dtype=np.float32).reshape(3, 4)  # a tensor's memory (a momentum, full form) hashes as its bytes
+    assert payload_digest_of(fp32) == blake3.blake3(fp32.tobytes()).digest()
+    assert payload_digest_of(fp32, 1) == hashlib.sha256(fp32.tobytes()).digest()
     # each version's digest is checked with its own hash: the other one's digest does not pass
     for wrong in (_resealed(1, blake3.blake3(payload).digest(), payload),
                   _resealed(2, hashlib.sha256(payload).digest(), payload)):
