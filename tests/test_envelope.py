@@ -258,12 +258,12 @@ def test_header_with_missing_or_extra_fields_is_malformed():
             EnvelopeVerifier(RUN).open(data)
 
 
-def _resealed(version: int, digest: bytes, payload: bytes, kind: str = "test.small") -> bytes:
-    """A frame of `seal`'s with its header's version and payload digest replaced, signed again."""
-    h = canonical.unpackb(seal(SENDER, kind, RUN, {"p": 1}, payload).header)
+def _resealed(env, version: int, digest: bytes, signer: Identity = SENDER) -> bytes:
+    """`env`'s frame with its header's version and payload digest replaced, signed again by `signer`."""
+    h = canonical.unpackb(env.header)
     h["v"], h["payload_digest"] = version, digest
     hb = canonical.packb(h)
-    return struct.pack(">I", len(hb)) + hb + SENDER.sign(DOMAIN + hb) + payload
+    return struct.pack(">I", len(hb)) + hb + signer.sign(DOMAIN + hb) + bytes(env.payload)
 
 
 @pytest.mark.parametrize("chunk", [3, 10_000])
@@ -272,7 +272,7 @@ def test_version_2_digests_payloads_with_blake3_and_version_1_frames_with_sha256
     env = seal(SENDER, "test.small", RUN, {"p": 1}, payload)
     assert env.version == PROTOCOL_VERSION == 2
     assert env.payload_digest == blake3.blake3(payload).digest() == payload_digest_of(payload)
-    old = _resealed(1, hashlib.sha256(payload).digest(), payload)  # what a peer of protocol 1 sent and kept
+    old = _resealed(env, 1, hashlib.sha256(payload).digest())  # what a peer of protocol 1 sent and kept
     for frame_ in (env.to_bytes(), old):
         assert bytes(EnvelopeVerifier(RUN).open(frame_).payload) == payload
         assert bytes(read(EnvelopeVerifier(RUN), frame_, size=chunk).payload) == payload
@@ -282,15 +282,15 @@ def test_version_2_digests_payloads_with_blake3_and_version_1_frames_with_sha256
     assert payload_digest_of(fp32) == blake3.blake3(fp32.tobytes()).digest()
     assert payload_digest_of(fp32, 1) == hashlib.sha256(fp32.tobytes()).digest()
     # each version's digest is checked with its own hash: the other one's digest does not pass
-    for wrong in (_resealed(1, blake3.blake3(payload).digest(), payload),
-                  _resealed(2, hashlib.sha256(payload).digest(), payload)):
+    for wrong in (_resealed(env, 1, blake3.blake3(payload).digest()),
+                  _resealed(env, 2, hashlib.sha256(payload).digest())):
         with pytest.raises(BadSignature):
             EnvelopeVerifier(RUN).open(wrong)
         with pytest.raises(BadSignature):
             read(EnvelopeVerifier(RUN), wrong, size=chunk)
     for unknown in (0, 3):
         with pytest.raises(Malformed, match=f"protocol version {unknown} not supported .*reads 1, 2 and sends 2"):
-            EnvelopeVerifier(RUN).open(_resealed(unknown, blake3.blake3(payload).digest(), payload))
+            EnvelopeVerifier(RUN).open(_resealed(env, unknown, blake3.blake3(payload).digest()))
 
 
 def test_canonical_refuses_ext_types_and_trailing_bytes():
@@ -425,10 +425,7 @@ def test_the_worked_ping_of_the_protocol_document_is_what_this_implementation_se
     assert len(frame_) == 490 and len(env.header) == 220 and len(payload) == 202
     assert env.payload_digest.hex() == "eee52bf6f6c67916e020f9f52ec9446d40cb5c82a234c8c5d2cc8ee59bab2a4d"
     assert hashlib.sha256(frame_).hexdigest() == "4525eddf304c74776ff4883a5a067627d3cd06b21842374269d47c04a5817d76"
-    h = canonical.unpackb(env.header)
-    h["v"], h["payload_digest"] = 1, hashlib.sha256(payload).digest()
-    hb = canonical.packb(h)
-    v1 = struct.pack(">I", len(hb)) + hb + ident.sign(DOMAIN + hb) + payload
+    v1 = _resealed(env, 1, hashlib.sha256(payload).digest(), signer=ident)
     assert hashlib.sha256(v1).hexdigest() == "8ab7697896e975025f1e6fb5be65f7478691fc9236a499b6a2e2b9183bd9cd1d"
     verifier = EnvelopeVerifier(DEFAULT_NETWORK_ID)
     with mock.patch("time.time", lambda: ts / 1000):
