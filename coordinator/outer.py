@@ -4,7 +4,9 @@ The merged pseudo-gradient Δ = Θ_anchor − θ_local is used as a gradient, ex
 `torch.optim.SGD(lr, momentum, nesterov=True)` with `grad = Δ` would use it (DiLoCo 2311.08105, Alg. 1), and the
 arithmetic is the same op for op, so both give the same bits on the same device. `step` is functional: it
 never mutates its inputs. `update_into` is what the owner runs: the same step written as the update
-U = Θ^(v+1) − Θ^(v) = −lr·g over the merged delta, the new momentum into a buffer of the caller's. The per-fragment state is one momentum tensor, exported as plain
+U = Θ^(v+1) − Θ^(v) = −lr·g over the merged delta, the new momentum into a buffer of the caller's; on flat fp32
+buffers in one pass (protocol/_kernels.py), each operation rounded on its own, where torch's vectorised
+`add(alpha=)` fuses a multiply-add on CPUs that have one: the two may differ in the last bit. The per-fragment state is one momentum tensor, exported as plain
 tensors for replicas and checkpoints. No network, no clocks.
 """
 
@@ -14,10 +16,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from diloco.protocol import _kernels as K
 from diloco.protocol.errors import Malformed
+
+
+def _kernel_takes(momentum: Tensor, delta: Tensor, out: Tensor) -> bool:
+    """Contiguous float32 CPU tensors of one length, `delta` overlapping neither of the others (`out` may be
+    `momentum`): what `K.momentum_update` is given."""
+    tensors = (momentum, delta, out)
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
+               and t.numel() == delta.numel() for t in tensors):
+        return False
+    lo, hi = delta.data_ptr(), delta.data_ptr() + 4 * delta.numel()
+    return all(t.data_ptr() + 4 * t.numel() <= lo or t.data_ptr() >= hi for t in (momentum, out))
 
 
 class OuterStep(NamedTuple):
@@ -77,7 +92,13 @@ class OuterOptimizer:
                         raise ValueError(
                             f"momentum has shape {tuple(momentum.shape)}, delta {tuple(delta.shape)}"
                         )
-                    buf = torch.mul(momentum, self.momentum, out=out) if out is not None else momentum.mul(self.momentum)
+                    if out is None:
+                        out = torch.empty_like(delta)
+                    if _kernel_takes(momentum, delta, out):  # one pass instead of torch's four (protocol/_kernels.py)
+                        K.momentum_update(momentum.numpy(), delta.numpy(), out.numpy(), np.float32(self.momentum),
+                                          np.float32(-self.lr), self.nesterov)
+                        return out
+                    buf = torch.mul(momentum, self.momentum, out=out)
                     buf.add_(delta)
                 if self.nesterov:
                     delta.add_(buf, alpha=self.momentum)

@@ -1,4 +1,5 @@
-"""Numba kernels behind the tensor codecs: blockwise absmax quantization and 4-bit packing.
+"""Numba kernels behind the tensor codecs (blockwise absmax quantization and 4-bit packing) and the owner's
+outer momentum step (`momentum_update`).
 
 Every loop here is a single pass over flat, contiguous numpy arrays that the caller has already sized and
 validated (`codecs.py` checks every length before it calls in). Kernels are single-threaded (no
@@ -261,6 +262,21 @@ def f32_copy(src: np.ndarray, out: np.ndarray) -> int:
         m = max(m, s & np.uint32(0x7FFFFFFF))
         out[i] = s
     return m
+
+
+@_jit
+def momentum_update(momentum: np.ndarray, delta: np.ndarray, out: np.ndarray, mu: np.float32, neg_lr: np.float32,
+                    nesterov: bool) -> None:
+    """The outer SGD step in one pass (coordinator/outer.py `update_into`): b = μ·m + Δ into `out`, then
+    Δ := −lr·(Δ + μ·b) with Nesterov, Δ := −lr·b without. Each product and sum is rounded on its own (strict
+    IEEE, no fused multiply-add), so the result does not depend on the CPU; torch's four passes over the
+    fragment took 2–3× as long. float32 arrays of one length; `out` may be `momentum` (an in-place step),
+    `delta` may overlap neither."""
+    for i in range(delta.size):
+        d = delta[i]
+        b = mu * momentum[i] + d
+        out[i] = b
+        delta[i] = neg_lr * (d + mu * b) if nesterov else neg_lr * b
 
 
 F16_TO_F32_MAGIC = np.float32(2.0**112)  # rebias exponent 15 -> 127; also turns half subnormals exact

@@ -194,6 +194,8 @@ def load_kernels() -> None:
             codec.decode(*codec.encode(torch.zeros(2)))
             codec.decode(*codec.encode_delta(torch.zeros(2)))
         l2_norm(torch.zeros(1))
+        zeros = np.zeros(2, np.float32)
+        K.momentum_update(zeros, zeros.copy(), zeros.copy(), np.float32(0.5), np.float32(-1.0), True)
 
 
 def check_meta(meta: Any, name: str, max_elements: int) -> tuple[list[int], int]:

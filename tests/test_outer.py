@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -142,3 +143,37 @@ def test_bad_hyperparameters_are_refused():
     for kwargs in ({"lr": 0.0}, {"momentum": 1.0}, {"momentum": 0.0, "nesterov": True}):
         with pytest.raises(ValueError):
             OuterOptimizer(**kwargs)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_owners_step_rounds_each_operation_on_its_own(nesterov, in_place):
+    # the one-pass kernel must give, bit for bit, b = μ·m + Δ and U = −lr·(Δ + μ·b) (or −lr·b) computed one
+    # float32 operation at a time, whatever the CPU: what another replica recomputes
+    g = torch.Generator().manual_seed(3)
+    m, d = torch.randn(10_001, generator=g), torch.randn(10_001, generator=g) * 1e-3
+    mu, neg_lr = np.float32(0.9), np.float32(-0.7)
+    want_b = mu * m.numpy() + d.numpy()
+    want_u = neg_lr * (d.numpy() + mu * want_b) if nesterov else neg_lr * want_b
+    outer = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=nesterov)
+    kept = m.clone()
+    out = m if in_place else torch.empty_like(m)
+    new = outer.update_into(d, m, out=out)
+    assert new is out
+    assert np.array_equal(new.numpy(), want_b)
+    assert np.array_equal(d.numpy(), want_u)
+    assert in_place or torch.equal(m, kept), "the momentum read is left as it was"
+
+
+def test_buffers_the_kernel_cannot_take_get_the_same_step():
+    # float64 and a strided view: torch's ops, the same step to rounding
+    g = torch.Generator().manual_seed(4)
+    m, d = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    outer = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
+    want_u, want_b = d.clone(), None
+    want_b = outer.update_into(want_u, m.clone())
+    for case in ("float64", "strided"):
+        mm, dd = (m.double(), d.double()) if case == "float64" else (m.repeat_interleave(2)[::2], d.clone())
+        b = outer.update_into(dd, mm)
+        assert torch.allclose(b.float(), want_b, rtol=0, atol=1e-6), case
+        assert torch.allclose(dd.float(), want_u, rtol=0, atol=1e-6), case
