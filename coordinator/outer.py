@@ -93,7 +93,7 @@ class OuterOptimizer:
                             f"momentum has shape {tuple(momentum.shape)}, delta {tuple(delta.shape)}"
                         )
                     if out is None:
-                        out = torch.empty_like(delta)
+                        out = torch.empty_like(momentum)
                     if _kernel_takes(momentum, delta, out):  # one pass instead of torch's four (protocol/_kernels.py)
                         K.momentum_update(momentum.numpy(), delta.numpy(), out.numpy(), np.float32(self.momentum),
                                           np.float32(-self.lr), self.nesterov)
