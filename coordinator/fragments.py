@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from diloco.protocol.codecs import Codec
+from diloco.protocol.codecs import Codec, plain_fp32
 from diloco.protocol.errors import BadSignature, Malformed, StaleVersion
 
 from .rebase import Changes, InFlight, RebaseLedger, VersionLog
@@ -78,7 +78,7 @@ class FragmentStore:
         """`adopt`: the caller hands over its fp32 tensors (no copy); otherwise each anchor is cloned.
         `unset`: fragments whose anchor holds no values yet (a joiner that will download them: their memory is
         not touched until then); no update applies to them until `install` or `fill` gives them values."""
-        self.held = [Held(a if adopt and _plain_fp32(a) else a.detach().to(torch.float32).contiguous().clone())
+        self.held = [Held(a if adopt and plain_fp32(a) else a.detach().to(torch.float32).contiguous().clone())
                      for a in anchors]
         self.unset = set(unset)
         self.downloading: set[int] = set()  # unset fragments being downloaded straight into their anchor
@@ -198,7 +198,7 @@ class FragmentStore:
                 raise StaleVersion(f"fragment {p} is already at {held.label}, not installing {label}")
             if anchor.numel() != held.anchor.numel():
                 raise ValueError(f"fragment {p} has {held.anchor.numel()} elements, got {anchor.numel()}")
-            if adopt and _plain_fp32(anchor) and anchor.dim() == 1:
+            if adopt and plain_fp32(anchor) and anchor.dim() == 1:
                 held.anchor = anchor
             else:
                 held.anchor.copy_(anchor.reshape(-1))
@@ -341,7 +341,3 @@ class FragmentStore:
             return Changes(replaced, moves, [h.label for h in self.held], extra)
         finally:
             self.lock.release()
-
-
-def _plain_fp32(t: Tensor) -> bool:
-    return t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad and t.device.type == "cpu"

@@ -21,15 +21,14 @@ import torch
 from torch import Tensor
 
 from diloco.protocol import _kernels as K
+from diloco.protocol.codecs import plain_fp32
 from diloco.protocol.errors import Malformed
 
 
 def _kernel_takes(momentum: Tensor, delta: Tensor, out: Tensor) -> bool:
     """Contiguous float32 CPU tensors of one length, `delta` overlapping neither of the others (`out` may be
     `momentum`): what `K.momentum_update` is given."""
-    tensors = (momentum, delta, out)
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
-               and t.numel() == delta.numel() for t in tensors):
+    if not all(plain_fp32(t) and t.numel() == delta.numel() for t in (momentum, delta, out)):
         return False
     lo, hi = delta.data_ptr(), delta.data_ptr() + 4 * delta.numel()
     return all(t.data_ptr() + 4 * t.numel() <= lo or t.data_ptr() >= hi for t in (momentum, out))

@@ -252,13 +252,17 @@ def payload_view_within(data: Any, name: str, least: int, most: int) -> memoryvi
     return view
 
 
+def plain_fp32(t: torch.Tensor) -> bool:
+    """A contiguous float32 CPU tensor without grad: one whose numpy view a kernel may read and write."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
+
+
 def output_tensor(shape: list[int], numel: int, out: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray]:
     """The tensor to decode into (shaped as `shape`) and its flat float32 numpy view."""
     if out is None:
         result = torch.empty(shape, dtype=torch.float32)
     else:
-        ok = out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
-        if not ok or out.requires_grad or out.numel() != numel:
+        if not plain_fp32(out) or out.numel() != numel:
             raise ValueError(f"out must be a contiguous CPU float32 tensor of {numel} elements, no grad")
         result = out.view(shape)
     return result, result.view(-1).numpy()
