@@ -170,7 +170,7 @@ def test_buffers_the_kernel_cannot_take_get_the_same_step():
     g = torch.Generator().manual_seed(4)
     m, d = torch.randn(64, generator=g), torch.randn(64, generator=g)
     outer = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
-    want_u, want_b = d.clone(), None
+    want_u = d.clone()
     want_b = outer.update_into(want_u, m.clone())
     for case in ("float64", "strided"):
         mm, dd = (m.double(), d.double()) if case == "float64" else (m.repeat_interleave(2)[::2], d.clone())
