@@ -13,7 +13,7 @@ and the codecs of protocol/codecs.py. Every answer a forged message gets is coun
 - forged updates of fragments it may not own: `forged_update` (a takeover of its own, ×1000, and one in the
   owner's term), `top_of_range` (versions and a replication at the top of the (term, version) range);
 - as an owner (it grinds a key that the rendezvous ranks first for a fragment, and publishes its own member
-  record like any member): `owner_scaled` (updates ×1000), `owner_noise` (noise at 100× the update's norm),
+  record like any member): `owner_scaled` (updates ×1000), `owner_noise` (noise at 1000× the update's norm),
   both pushed without replicating, and `owner_flip` (the update sign-flipped, at its own norm, replicated too).
 """
 
@@ -271,9 +271,11 @@ class Hostile:
         u = pub.update
         if self.attack == "owner_scaled":
             u.mul_(1000.0)
-        elif self.attack == "owner_noise":
+        elif self.attack == "owner_noise":  # (1000×, as owner_scaled: the first update of a term, on fresh
+            # momentum, can be ~5× smaller than the fragment's steady ones, and 100× of it then sits inside the
+            # learners' 20 × median bound, which lets an update of that norm through by design)
             noise = torch.randn_like(u)
-            u.copy_(noise * (100 * float(u.norm()) / max(float(noise.norm()), 1e-30)))
+            u.copy_(noise * (1000 * float(u.norm()) / max(float(noise.norm()), 1e-30)))
         else:
             u.neg_()
         pub.meta, pub.payload = self.codec.encode(u)

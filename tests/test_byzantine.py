@@ -53,6 +53,8 @@ def swarm(tmp_path_factory):
             proc.keep_reading()  # (nothing reads its output after this: a full pipe would block it in print)
         wait_until(lambda: all(int(f["version"].split(".")[1]) >= 3 for f in get_status(urls[0])["fragments"]),
                    60, "three versions of every fragment", poll=0.5)
+        wait_until(lambda: all(s["loss"] is not None for s in statuses(urls)), 30, "a loss from every learner",
+                   poll=0.5)  # (what assert_healthy compares with)
         yield genesis, urls
     finally:
         for proc in procs:
