@@ -698,7 +698,9 @@ def test_an_owner_announces_each_fragment_in_the_dht_at_most_once_per_interval_a
     for p in range(2):
         times = [t for q, _, t in stores if q == p]
         assert all(b - a >= every - 0.05 for a, b in zip(times, times[1:], strict=False)), f"fragment {p}: {times}"
-    assert published >= 3 * len(stores) > 0, (published, stores)
+    # (some versions went unannounced: the interval held them back; the spacing above is the bound itself.
+    # How many more versions than announcements depends on the machine's load: 17 against 8 in a slow CI run)
+    assert published > len(stores) > 0, (published, stores)
 
 
 @pytest.mark.timeout(120)
