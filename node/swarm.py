@@ -46,7 +46,7 @@ from diloco.protocol.transport import PeerClient, PeerServer, RemoteError, Trans
 from . import observe, operator, reach
 from .heap import return_large_buffers_to_os, trim_heap
 from .journal import Journal
-from .niceness import lower_this_thread
+from .niceness import started_workers
 from .preempt import DrainReport
 
 log = logging.getLogger(__name__)
@@ -310,8 +310,7 @@ class Swarm:
         self._loop = asyncio.get_running_loop()
         # (the workers at a lower priority, not the loop: a loop thread preempted while it holds the GIL would
         # make the training thread wait for it; node/niceness.py)
-        workers = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="swarm-worker", initializer=lower_this_thread)
-        self._loop.set_default_executor(workers)
+        self._loop.set_default_executor(started_workers("swarm-worker"))
         self._stopping = asyncio.Event()
         private = is_private(self.spec, self.config)
         self.client = PeerClient(tls=private, read_signer=ReadSigner(self.identity, self.spec.run_id) if private
