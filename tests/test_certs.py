@@ -5,6 +5,7 @@ a certified key trains until the creator revokes it, after which every peer refu
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import ssl
 import time
 import urllib.error
@@ -36,6 +37,16 @@ from diloco.protocol.identity import Identity, verify
 from .swarm_utils import LocalLearner, wait_until
 
 NOW = 1_800_000_000
+
+
+def test_a_specs_run_id_is_the_hash_of_its_canonical_form_computed_once_per_spec():
+    """Every role check asks for the run id (~40 us to encode and hash the spec): it is kept per spec, and a
+    changed spec is a new one with its own."""
+    spec = RunSpec(name="x", allowlist=(bytes(32),), membership="allowlist")
+    assert spec.run_id == hashlib.sha256(spec.encode()).digest()
+    assert spec.run_id is spec.run_id
+    other = dataclasses.replace(spec, allowlist=(bytes(31) + b"\1",))
+    assert other.run_id == hashlib.sha256(other.encode()).digest() != spec.run_id
 
 
 def allowlist_run(creator: Identity, *listed: Identity, name: str = "certs") -> RunSpec:
